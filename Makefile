@@ -1,0 +1,47 @@
+# minirad: `make lab` to open the course, `make test` to check everything (what CI runs).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+NOTEBOOKS := $(wildcard notebooks/*.ipynb)
+# Reproducible runs: the notebook kernels inherit this environment from pytest / nbconvert.
+DETERMINISTIC_ENV := PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1 HF_HUB_OFFLINE=1
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+.PHONY: venv dot lab test lint notebooks clean
+
+venv: $(VENV)/.installed
+
+# Re-installs only when pyproject.toml changes or a package appears (the editable install
+# maps the packages that exist at install time); otherwise instant.
+$(VENV)/.installed: pyproject.toml $(wildcard minirad/__init__.py viz/__init__.py)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $@
+
+dot:
+	tools/ensure_dot.sh
+
+lab: dot venv
+	$(BIN)/jupyter lab notebooks/
+
+# One pytest run: with --nbval the .py tests are collected as usual and each notebook is
+# executed and compared. Exit code 5 ("no tests collected") is not a failure.
+test: dot venv
+	$(DETERMINISTIC_ENV) $(BIN)/python -m pytest $(NBVAL) tests $(NOTEBOOKS) || [ $$? -eq 5 ]
+
+lint: venv
+	$(BIN)/ruff check .
+
+# Re-execute every notebook in place (then commit the outputs that `make test` compares).
+notebooks: dot venv
+ifneq ($(NOTEBOOKS),)
+	$(DETERMINISTIC_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	  --ExecutePreprocessor.store_widget_state=False \
+	  --ExecutePreprocessor.record_timing=False $(NOTEBOOKS)
+endif
+
+# Removes caches and build output; `rm -rf .venv` to rebuild the environment from scratch.
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find . -path ./$(VENV) -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) \
+	  -type d -exec rm -rf {} +

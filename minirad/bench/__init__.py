@@ -1,0 +1,52 @@
+"""Benchmarks, run as ``python -m minirad.bench <name>``.
+
+- ``radix``: replay a synthetic multi-turn chat trace through the radix cache and compare
+  hit rates and throughput with no cache, every eviction policy and an infinite cache
+  (:mod:`minirad.bench.radix`, trace in :mod:`minirad.bench.trace`).
+
+Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
+:func:`main` registers them as subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from ..errors import MiniradError
+from . import radix
+
+__all__ = ["build_parser", "main"]
+
+_COMMANDS = {
+    "radix": (radix, "radix-cache hit rate and throughput on a multi-turn chat trace"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m minirad.bench`` parser with one subcommand per benchmark."""
+    parser = argparse.ArgumentParser(
+        prog="python -m minirad.bench", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{" + ",".join(_COMMANDS) + "}"
+    )
+    for name, (module, help_) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run_cli)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: the command line) and run the chosen benchmark.
+
+    Bad arguments (including library errors such as a pool too small for the trace) end
+    with argparse's usage message and exit code 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except MiniradError as e:
+        parser.error(f"{args.command}: {e}")

@@ -1,0 +1,459 @@
+"""vLLM's block-level prefix cache: chained block hashes, a ref-counted block pool, and an LRU
+free queue in which freed blocks stay findable until their memory is reused.
+
+Follows ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``, ``KVCacheBlock``,
+``FreeKVCacheBlockQueue``), ``vllm/v1/core/block_pool.py`` (``BlockPool``) and
+``vllm/v1/core/kv_cache_manager.py`` (``get_computed_blocks``, ``allocate_slots``, ``free``).
+The radix tree (``radix_cache.py``) shares at token granularity; this cache shares only whole
+blocks whose entire prefix is identical, which chapter 02 compares.
+
+Simplifications, on purpose: one KV-cache group (full attention), no null block (block ids
+start at 0), and a block whose hash is already registered by another block is not registered
+again (it is freed as an uncached block), so the hash table maps a hash to one block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError, InvariantError, OutOfMemoryError, UnknownBlockError
+from .events import (
+    AllocEvent,
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    EventBus,
+    FreeEvent,
+    TouchEvent,
+)
+from .multimodal import MultiModalItem, block_extra_keys
+
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "hash_block_tokens",
+    "none_hash",
+]
+
+BlockHash = bytes  # a SHA-256 digest
+
+
+def none_hash(seed: int | str = 0) -> BlockHash:
+    """The parent hash of block 0, derived from ``seed`` (vLLM's ``NONE_HASH``, seeded by
+    ``PYTHONHASHSEED``). Caches built with different seeds never share blocks."""
+    return hashlib.sha256(f"minirad-none-hash:{seed}".encode()).digest()
+
+
+def hash_block_tokens(
+    parent_block_hash: BlockHash,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple | None = None,
+) -> BlockHash:
+    """``H(parent_hash, block_tokens, extra_keys)``: SHA-256 of the pickled triple.
+
+    The parent hash chains the whole prefix into each block's hash, so equal hashes mean an
+    equal prefix, not only an equal block. Extra keys (image hashes and offsets, a cache salt)
+    go *into* the hashed value.
+    """
+    payload = (parent_block_hash, tuple(curr_block_token_ids), extra_keys)
+    return hashlib.sha256(pickle.dumps(payload, protocol=4)).digest()
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One block of the physical KV tensor, with its reference count and (when full and
+    committed) its hash. ``prev_free_block`` / ``next_free_block`` belong to the free queue."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, front = evicted (reused) first.
+
+    A Python ``deque`` cannot remove from the middle in O(1); a prefix hit must take a cached
+    block out of the free queue wherever it sits, so the links live in the blocks themselves.
+    Two sentinel nodes remove every edge case.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free_block = self._tail
+        self._tail.prev_free_block = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the front block. Raises ``IndexError`` when empty."""
+        block = self._head.next_free_block
+        if block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of the queue in O(1)."""
+        if block.prev_free_block is None or block.next_free_block is None:
+            raise UnknownBlockError(f"block {block.block_id} is not in the free queue")
+        block.prev_free_block.next_free_block = block.next_free_block
+        block.next_free_block.prev_free_block = block.prev_free_block
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def _insert_before(self, anchor: KVCacheBlock, block: KVCacheBlock) -> None:
+        prev = anchor.prev_free_block
+        prev.next_free_block = block
+        block.prev_free_block = prev
+        block.next_free_block = anchor
+        anchor.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add blocks at the back (reused last), in order."""
+        for block in blocks:
+            self._insert_before(self._tail, block)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Add blocks at the front (reused first), keeping their order."""
+        anchor = self._head.next_free_block
+        for block in blocks:
+            self._insert_before(anchor, block)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        out = []
+        block = self._head.next_free_block
+        while block is not self._tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
+class BlockPool:
+    """A fixed set of ``num_blocks`` blocks with reference counts and a hash -> block table.
+
+    Args:
+        num_blocks: capacity in blocks.
+        enable_caching: keep freed full blocks findable by hash until reused.
+        bus: event bus (a private one if None).
+    """
+
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, bus: EventBus | None = None
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise InvalidArgumentError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.bus = bus if bus is not None else EventBus()
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks with ``ref_cnt == 0`` (cached or not)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of blocks held by requests."""
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block registered under ``block_hash``, or None. Changes nothing."""
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int, owner: str | None = None) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` blocks from the front of the free queue, each with ``ref_cnt=1``.
+        A popped block that was still cached loses its hash now (lazy eviction).
+
+        Raises:
+            OutOfMemoryError: fewer free blocks than asked; nothing changes.
+        """
+        if num_blocks > self.get_num_free_blocks():
+            raise OutOfMemoryError(
+                f"need {num_blocks} blocks, only {self.get_num_free_blocks()} free"
+            )
+        blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
+        evicted = [b for b in blocks if b.block_hash is not None]
+        for b in evicted:
+            del self.cached_block_hash_to_block[b.block_hash]
+            b.block_hash = None
+        for b in blocks:
+            b.ref_cnt = 1
+        if self.bus.active:
+            if evicted:
+                ids = tuple(b.block_id for b in evicted)
+                self.bus.emit(BlockRemovedEvent(self.bus.time, "block_pool", ids))
+            ids = tuple(b.block_id for b in blocks)
+            self.bus.emit(AllocEvent(self.bus.time, "block_pool", "block", ids, owner))
+        return blocks
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """A prefix hit reuses ``blocks``: take free ones out of the free queue (so they
+        cannot be evicted while in use) and add one reference to each."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_block_queue.remove(b)
+            b.ref_cnt += 1
+        if self.bus.active and blocks:
+            self.bus.emit(
+                TouchEvent(
+                    self.bus.time,
+                    "block_pool",
+                    tuple(b.block_id for b in blocks),
+                    tuple(b.ref_cnt for b in blocks),
+                )
+            )
+
+    def free_blocks(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free queue.
+
+        ``ordered_blocks`` is in eviction order (first = evict first). Uncached blocks go to
+        the *front* (their memory is worthless, reuse it first); cached blocks go to the back,
+        which is what makes the queue LRU (vLLM PR #42656).
+
+        Raises:
+            UnknownBlockError: a block would drop below zero references (a double free);
+                nothing changes.
+        """
+        counts = Counter(b.block_id for b in ordered_blocks)
+        for b in ordered_blocks:
+            if b.ref_cnt < counts[b.block_id]:
+                raise UnknownBlockError(
+                    f"block {b.block_id} has ref_cnt {b.ref_cnt}, cannot free it "
+                    f"{counts[b.block_id]} time(s)"
+                )
+        released = []
+        for b in ordered_blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                released.append(b)
+        self.free_block_queue.prepend_n([b for b in released if b.block_hash is None])
+        self.free_block_queue.append_n([b for b in released if b.block_hash is not None])
+        if self.bus.active and released:
+            ids = tuple(b.block_id for b in released)
+            self.bus.emit(FreeEvent(self.bus.time, "block_pool", "block", ids))
+
+    def cache_full_blocks(
+        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
+    ) -> None:
+        """Register each block under its hash (``blocks[i]`` <-> ``block_hashes[i]``).
+
+        A block that already carries a hash (it came from a prefix hit) is left alone; a hash
+        already registered by another block is not registered twice.
+        """
+        if not self.enable_caching:
+            return
+        stored = []
+        for b, h in zip(blocks, block_hashes, strict=True):
+            if b.block_hash is not None or h in self.cached_block_hash_to_block:
+                continue
+            b.block_hash = h
+            self.cached_block_hash_to_block[h] = b
+            stored.append(b)
+        if self.bus.active and stored:
+            self.bus.emit(
+                BlockStoredEvent(
+                    self.bus.time,
+                    "block_pool",
+                    tuple(b.block_id for b in stored),
+                    tuple(b.block_hash.hex() for b in stored),
+                )
+            )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; only allowed when no block is in use. Returns success."""
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise :class:`~minirad.errors.InvariantError` if the bookkeeping is inconsistent:
+        a block both free and referenced, a queue count that is off, or a hash table entry that
+        does not point back to its block."""
+        free = self.free_block_queue.get_all_free_blocks()
+        if len(free) != self.free_block_queue.num_free_blocks:
+            raise InvariantError("free-queue length differs from num_free_blocks")
+        if len({b.block_id for b in free}) != len(free):
+            raise InvariantError("a block is in the free queue twice")
+        free_ids = {b.block_id for b in free}
+        for b in self.blocks:
+            if (b.block_id in free_ids) != (b.ref_cnt == 0):
+                raise InvariantError(f"block {b.block_id}: ref_cnt {b.ref_cnt} vs free queue")
+            if (
+                b.block_hash is not None
+                and self.cached_block_hash_to_block.get(b.block_hash) is not b
+            ):
+                raise InvariantError(f"block {b.block_id}: hash not registered to it")
+        if sum(b.block_hash is not None for b in self.blocks) != len(
+            self.cached_block_hash_to_block
+        ):
+            raise InvariantError("hash table has entries for blocks without a hash")
+
+
+class KVCacheManager:
+    """The scheduler-facing block manager with prefix caching (vLLM ``KVCacheManager``).
+
+    Args:
+        num_blocks: pool capacity in blocks.
+        block_size: tokens per block.
+        enable_caching: share full blocks between requests by hash.
+        hash_seed: seeds the root of the hash chain (see :func:`none_hash`).
+        bus: event bus (a private one if None).
+
+    ``queries`` / ``hits`` count prompt tokens looked up and tokens found, as vLLM's
+    ``PrefixCacheStats`` do.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_seed: int | str = 0,
+        bus: EventBus | None = None,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching, bus)
+        self.root_hash = none_hash(hash_seed)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.num_tokens: dict[str, int] = {}  # tokens with a slot, per request
+        self.queries = 0
+        self.hits = 0
+
+    def block_hashes(
+        self,
+        token_ids: Sequence[int],
+        mm_items: Sequence[MultiModalItem] = (),
+        extra_key: str | None = None,
+    ) -> list[BlockHash]:
+        """Chained hashes of every *full* block of ``token_ids`` (a partial last block has
+        none)."""
+        hashes = []
+        parent = self.root_hash
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            extra = block_extra_keys(start, start + bs, mm_items, extra_key)
+            parent = hash_block_tokens(parent, token_ids[start : start + bs], extra)
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(
+        self,
+        token_ids: Sequence[int],
+        mm_items: Sequence[MultiModalItem] = (),
+        extra_key: str | None = None,
+    ) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached blocks at the start of ``token_ids``, and its length in
+        tokens. At most ``(len - 1) // block_size`` blocks hit: the last token always goes
+        through the model, so a fully cached prompt recomputes its whole last block. A pure
+        lookup: no reference changes (``allocate_slots`` claims the blocks)."""
+        blocks: list[KVCacheBlock] = []
+        if self.enable_caching and token_ids:
+            max_blocks = (len(token_ids) - 1) // self.block_size
+            usable = token_ids[: max_blocks * self.block_size]
+            for h in self.block_hashes(usable, mm_items, extra_key):
+                block = self.block_pool.get_cached_block(h)
+                if block is None:
+                    break
+                blocks.append(block)
+        num_computed = len(blocks) * self.block_size
+        self.queries += len(token_ids)
+        self.hits += num_computed
+        return blocks, num_computed
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        mm_items: Sequence[MultiModalItem] = (),
+        extra_key: str | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Give ``request_id`` slots for ``num_new_tokens`` more tokens of ``token_ids``.
+
+        For a new request, ``new_computed_blocks`` (from :meth:`get_computed_blocks`) are
+        claimed first. All or nothing: if the free blocks (counting hit blocks that sit in the
+        free queue, since claiming them uses free capacity) do not suffice, returns None and
+        changes nothing. Full blocks are registered in the hash table at once, so later
+        requests in the same batch can hit them.
+
+        Returns:
+            the request's whole block table (as blocks), or None.
+
+        Raises:
+            InvalidArgumentError: more tokens than ``token_ids`` holds, or computed blocks for
+                a request that already has blocks.
+        """
+        blocks = self.req_to_blocks.get(request_id, [])
+        if new_computed_blocks and blocks:
+            raise InvalidArgumentError("prefix hits are only claimed by a new request")
+        computed = self.num_tokens.get(request_id, 0) + len(new_computed_blocks) * self.block_size
+        need = computed + num_new_tokens
+        if num_new_tokens < 0 or need > len(token_ids):
+            raise InvalidArgumentError(
+                f"{need} tokens need slots but the request has {len(token_ids)} tokens"
+            )
+        num_new_blocks = -(-need // self.block_size) - len(blocks) - len(new_computed_blocks)
+        from_free_queue = sum(b.ref_cnt == 0 for b in new_computed_blocks)
+        if max(num_new_blocks, 0) + from_free_queue > self.block_pool.get_num_free_blocks():
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        blocks = blocks + list(new_computed_blocks)
+        if num_new_blocks > 0:
+            blocks += self.block_pool.get_new_blocks(num_new_blocks, owner=request_id)
+        self.req_to_blocks[request_id] = blocks
+        self.num_tokens[request_id] = need
+        num_full = need // self.block_size
+        first = self.num_cached_block.get(request_id, len(new_computed_blocks))
+        if self.enable_caching and num_full > first:
+            hashes = self.block_hashes(token_ids[: num_full * self.block_size], mm_items, extra_key)
+            self.block_pool.cache_full_blocks(blocks[first:num_full], hashes[first:num_full])
+        self.num_cached_block[request_id] = max(first, num_full)
+        return blocks
+
+    def free(self, request_id: str) -> None:
+        """Release a finished (or preempted) request's blocks, last block first: the tail
+        hashes the most tokens and is the least likely to be reused.
+
+        Raises:
+            UnknownBlockError: the request holds no blocks.
+        """
+        if request_id not in self.req_to_blocks:
+            raise UnknownBlockError(f"request {request_id!r} holds no blocks")
+        blocks = self.req_to_blocks.pop(request_id)
+        self.num_cached_block.pop(request_id, None)
+        self.num_tokens.pop(request_id, None)
+        self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's ``block_table``."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0

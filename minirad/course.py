@@ -1,0 +1,34 @@
+"""One-call setup for the course notebooks: reproducible, quiet, and small.
+
+Every chapter starts with ``from minirad.course import setup; setup()``. Outputs are committed
+and compared by nbval, so every source of run-to-run noise is pinned here: random seeds,
+torch's thread count (reduction order depends on it), print precision, and library warnings
+that would land in stderr (see ``shared/reference/research/teaching_viz.md`` §2.4).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+__all__ = ["setup"]
+
+
+def setup(seed: int = 0, threads: int = 2) -> None:
+    """Seed Python, NumPy and torch with ``seed``; use ``threads`` torch threads; silence
+    progress bars, tokenizer fork warnings and transformers' info logs."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    torch.set_printoptions(precision=4, sci_mode=False)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    import transformers
+
+    transformers.logging.set_verbosity_error()

@@ -1,0 +1,300 @@
+"""Typed cache events, a logical clock, and a JSONL recorder.
+
+Every mutation of a cache or pool (match, insert, split, lock, unlock, evict, alloc, free...)
+is published as one frozen dataclass with the logical time of the operation. Subscribers (the
+visualizer in ``viz/``, statistics, notebook printouts) only ever see these events; nothing
+reaches into a cache's internals to draw it (``shared/design/architecture.md``).
+
+The clock is an operation counter, not wall time: every public operation takes one tick, and
+the nodes it touches get that tick as their ``last_access_time``. Order and ties are therefore
+identical on every run, which keeps LRU decisions and notebook outputs deterministic. (SGLang
+uses ``time.monotonic()``; the paper's Figure 3 only needs an order.)
+
+Example::
+
+    bus = EventBus()
+    recorder = EventRecorder(bus)
+    cache = RadixCache(bus=bus)
+    cache.insert([1, 2, 3])
+    recorder.save("log.jsonl")
+    events = load_events("log.jsonl")   # -> [InsertEvent(time=1, ...)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+__all__ = [
+    "AllocEvent",
+    "BlockRemovedEvent",
+    "BlockStoredEvent",
+    "Event",
+    "EventBus",
+    "EventRecorder",
+    "EvictEvent",
+    "FreeEvent",
+    "InsertEvent",
+    "LockEvent",
+    "MatchEvent",
+    "ResetEvent",
+    "SplitEvent",
+    "TouchEvent",
+    "UnlockEvent",
+    "event_from_dict",
+    "load_events",
+    "save_events",
+]
+
+Subscriber = Callable[["Event"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of all events. ``time`` is the logical clock value of the operation."""
+
+    kind: ClassVar[str] = "event"
+    time: int
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict with a ``kind`` field naming the event class."""
+        d = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = list(v) if isinstance(v, tuple) else v
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class MatchEvent(Event):
+    """``RadixCache.match_prefix``: the ids of the nodes on the matched path (root excluded)."""
+
+    kind: ClassVar[str] = "match"
+    path: tuple[int, ...]
+    num_tokens: int  # tokens matched (cache hits)
+    query_len: int  # tokens looked up, after page alignment
+    extra_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InsertEvent(Event):
+    """``RadixCache.insert``: existing nodes walked, then the new leaf (if any tokens were new).
+
+    ``key`` / ``value`` are the new leaf's token ids and KV slot indices; they are empty and
+    ``node_id`` is None when the whole key was already cached.
+    """
+
+    kind: ClassVar[str] = "insert"
+    path: tuple[int, ...]
+    prefix_len: int
+    node_id: int | None
+    parent_id: int | None
+    key: tuple[int, ...] = ()
+    value: tuple[int, ...] = ()
+    extra_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SplitEvent(Event):
+    """A node's edge was cut after ``split_len`` tokens.
+
+    The prefix part keeps ``node_id``; the suffix part (which keeps the children and any
+    request's reference) gets ``new_node_id``.
+    """
+
+    kind: ClassVar[str] = "split"
+    node_id: int
+    new_node_id: int
+    split_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class LockEvent(Event):
+    """``inc_lock_ref``: ``node_ids`` from the locked node up to (excluding) the root, with
+    each node's ``lock_ref`` after the change."""
+
+    kind: ClassVar[str] = "lock"
+    node_ids: tuple[int, ...]
+    lock_refs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class UnlockEvent(Event):
+    """``dec_lock_ref``: same fields as :class:`LockEvent`."""
+
+    kind: ClassVar[str] = "unlock"
+    node_ids: tuple[int, ...]
+    lock_refs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictEvent(Event):
+    """A leaf left the tree; ``value`` are the KV slots it freed."""
+
+    kind: ClassVar[str] = "evict"
+    node_id: int
+    num_tokens: int
+    value: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ResetEvent(Event):
+    """The cache or pool was emptied."""
+
+    kind: ClassVar[str] = "reset"
+    source: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AllocEvent(Event):
+    """A pool handed out ``ids`` (token slots or block ids, see ``unit``) to ``owner``."""
+
+    kind: ClassVar[str] = "alloc"
+    pool: str
+    unit: str  # "slot" or "block"
+    ids: tuple[int, ...]
+    owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FreeEvent(Event):
+    """A pool took ``ids`` back (their reference count reached zero)."""
+
+    kind: ClassVar[str] = "free"
+    pool: str
+    unit: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TouchEvent(Event):
+    """Cached blocks were reused by a request: each ``ref_cnt`` went up by one."""
+
+    kind: ClassVar[str] = "touch"
+    pool: str
+    ids: tuple[int, ...]
+    ref_cnts: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStoredEvent(Event):
+    """Full blocks were registered in the block-hash table (vLLM's ``BlockStored``)."""
+
+    kind: ClassVar[str] = "block_stored"
+    pool: str
+    ids: tuple[int, ...]
+    block_hashes: tuple[str, ...]  # hex digests
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemovedEvent(Event):
+    """A cached block's hash was dropped because the block was reused (lazy eviction)."""
+
+    kind: ClassVar[str] = "block_removed"
+    pool: str
+    ids: tuple[int, ...]
+
+
+_EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        MatchEvent,
+        InsertEvent,
+        SplitEvent,
+        LockEvent,
+        UnlockEvent,
+        EvictEvent,
+        ResetEvent,
+        AllocEvent,
+        FreeEvent,
+        TouchEvent,
+        BlockStoredEvent,
+        BlockRemovedEvent,
+    )
+}
+
+
+def event_from_dict(d: dict) -> Event:
+    """Inverse of :meth:`Event.to_dict`. Raises ``KeyError`` for an unknown ``kind``."""
+    cls = _EVENT_TYPES[d["kind"]]
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        v = d[f.name] if f.name in d else f.default
+        kwargs[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**kwargs)
+
+
+class EventBus:
+    """The logical clock and the subscriber list shared by caches and pools.
+
+    Pass one bus to every component of an engine so their events share one timeline.
+    """
+
+    def __init__(self) -> None:
+        self.time = 0
+        self._subscribers: list[Subscriber] = []
+
+    def tick(self) -> int:
+        """Advance the clock by one operation and return the new time."""
+        self.time += 1
+        return self.time
+
+    @property
+    def active(self) -> bool:
+        """True when someone listens; emitters skip building events otherwise."""
+        return bool(self._subscribers)
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call ``fn(event)`` for every event from now on; returns an unsubscribe function."""
+        self._subscribers.append(fn)
+        return lambda: self._subscribers.remove(fn)
+
+    def emit(self, event: Event) -> None:
+        for fn in self._subscribers:
+            fn(event)
+
+
+class EventRecorder:
+    """Collects events (live from a bus, or loaded from a file) and saves them as JSONL."""
+
+    def __init__(self, bus: EventBus | None = None, events: Iterable[Event] = ()) -> None:
+        self.events: list[Event] = list(events)
+        self._unsubscribe = bus.subscribe(self.events.append) if bus is not None else None
+
+    def close(self) -> None:
+        """Stop recording (the events collected so far stay)."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def save(self, path: str | Path) -> None:
+        save_events(self.events, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> EventRecorder:
+        return cls(events=load_events(path))
+
+    def replay(self, fn: Subscriber) -> None:
+        """Feed every recorded event, in order, to ``fn``."""
+        for event in self.events:
+            fn(event)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+def save_events(events: Iterable[Event], path: str | Path) -> None:
+    """Write one JSON object per line."""
+    with open(path, "w", encoding="utf-8") as f:
+        for event in events:
+            f.write(json.dumps(event.to_dict(), separators=(",", ":")) + "\n")
+
+
+def load_events(path: str | Path) -> list[Event]:
+    """Read a JSONL event log written by :func:`save_events`."""
+    with open(path, encoding="utf-8") as f:
+        return [event_from_dict(json.loads(line)) for line in f if line.strip()]

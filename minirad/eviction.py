@@ -1,0 +1,71 @@
+"""Eviction policies for the radix cache: which unlocked leaf goes first.
+
+A policy maps a node to a sort key; ``RadixCache.evict`` pops the smallest key first. Every key
+ends with the node's ``id`` so that ties break the same way on every run (SGLang compares
+``time.monotonic()`` stamps and leaves ties to the heap; see
+``sglang/srt/mem_cache/evict_policy.py``).
+
+- ``lru``: least recently used first (``last_access_time``), the paper's policy (§3.1).
+- ``lfu``: least frequently hit first (``hit_count``), then least recently used.
+- ``fifo``: oldest insertion first (``creation_time``), blind to reuse.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .radix_cache import TreeNode
+
+__all__ = ["EvictionPolicy", "FIFOPolicy", "LFUPolicy", "LRUPolicy", "POLICIES", "get_policy"]
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def priority(self, node: TreeNode) -> tuple[int, ...]:
+        """Sort key of an evictable leaf: the smallest is evicted first."""
+        ...
+
+
+class LRUPolicy:
+    name = "lru"
+
+    def priority(self, node: TreeNode) -> tuple[int, ...]:
+        return (node.last_access_time, node.id)
+
+
+class LFUPolicy:
+    name = "lfu"
+
+    def priority(self, node: TreeNode) -> tuple[int, ...]:
+        return (node.hit_count, node.last_access_time, node.id)
+
+
+class FIFOPolicy:
+    name = "fifo"
+
+    def priority(self, node: TreeNode) -> tuple[int, ...]:
+        return (node.creation_time, node.id)
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, FIFOPolicy)
+}
+
+
+def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """A policy instance from its name (``"lru"``, ``"lfu"``, ``"fifo"``) or as given.
+
+    Raises :class:`InvalidArgumentError` for an unknown name.
+    """
+    if not isinstance(policy, str):
+        return policy
+    try:
+        return POLICIES[policy]()
+    except KeyError:
+        raise InvalidArgumentError(
+            f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}"
+        ) from None

@@ -1,0 +1,237 @@
+"""Exercises of chapter 01 (the radix tree).
+
+Each exercise describes a few :class:`~minirad.RadixCache` operations on small token ids; the
+learner predicts the outcome by hand. The expected answers are computed here by running those
+operations on a real ``RadixCache``, so they follow the library if its semantics ever change.
+
+Usage in the notebook::
+
+    from minirad.exercises.ch01 import q1
+    answer = ...
+    q1.check(answer)
+"""
+
+from __future__ import annotations
+
+from minirad.exercises import Exercise
+from minirad.radix_cache import RadixCache, TreeNode
+
+__all__ = [
+    "Q1_INSERTS",
+    "Q1_QUERY",
+    "Q2_INSERTS",
+    "Q3_INSERTS",
+    "Q3_QUERY",
+    "Q4_INSERT",
+    "Q4_PAGE_SIZE",
+    "Q4_QUERY",
+    "Q5_INSERTS",
+    "Q5_QUERY",
+    "q1",
+    "q2",
+    "q3",
+    "q4",
+    "q5",
+]
+
+
+def _fresh_slots(start: int, n: int) -> list[int]:
+    """``n`` consecutive KV slot ids from ``start``: what a pool would hand out."""
+    return list(range(start, start + n))
+
+
+def _check_int(answer: object, expected: int, unit: str) -> str | None:
+    if isinstance(answer, bool) or not isinstance(answer, int):
+        return f"expected an int (a number of {unit}), got {type(answer).__name__}"
+    if answer == expected:
+        return None
+    return f"{answer} is too {'high' if answer > expected else 'low'}"
+
+
+# q1 -------------------------------------------------------------------------------------------
+Q1_INSERTS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 10]]
+Q1_QUERY = [1, 2, 3, 4, 9]
+
+
+def q1_expected() -> int:
+    """Tokens of ``Q1_QUERY`` that ``match_prefix`` finds after the ``Q1_INSERTS``."""
+    cache = RadixCache()
+    for i, key in enumerate(Q1_INSERTS):
+        cache.insert(key, _fresh_slots(100 * i, len(key)))
+    return len(cache.match_prefix(Q1_QUERY).indices)
+
+
+q1 = Exercise(
+    "q1 matched length",
+    lambda a: _check_int(a, q1_expected(), "tokens"),
+    hint="Walk the query down from the root; stop at the first token that no edge continues with.",
+    solution=(
+        "4: the query follows the edge [1, 2, 3], enters the edge [4, 5, 6] and leaves it at "
+        "9 (the edge continues with 5).\n"
+        "cache = RadixCache()\n"
+        "for i, key in enumerate(Q1_INSERTS):\n"
+        "    cache.insert(key, list(range(100 * i, 100 * i + len(key))))\n"
+        "answer = len(cache.match_prefix(Q1_QUERY).indices)"
+    ),
+)
+
+
+# q2 -------------------------------------------------------------------------------------------
+Q2_INSERTS = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 7], [8, 9], [1, 2]]
+
+
+def _count_nodes(node: TreeNode) -> int:
+    """Nodes below ``node``, found through the ``children`` links."""
+    return sum(1 + _count_nodes(child) for child in node.children.values())
+
+
+def q2_expected() -> int:
+    """Nodes (root excluded) after inserting ``Q2_INSERTS`` in order."""
+    cache = RadixCache()
+    for i, key in enumerate(Q2_INSERTS):
+        cache.insert(key, _fresh_slots(100 * i, len(key)))
+    return _count_nodes(cache.root_node)
+
+
+q2 = Exercise(
+    "q2 node count",
+    lambda a: _check_int(a, q2_expected(), "nodes"),
+    hint=(
+        "Draw the tree after every insert. An insert that leaves an edge midway splits it "
+        "(one more node), then adds a leaf for the rest if any tokens are left."
+    ),
+    solution=(
+        "6: [1,2,3,4] -> 1 node; [1,2,5,6] splits it into [1,2] -> [3,4] and adds [5,6] (3); "
+        "[1,2,3,7] splits [3,4] into [3] -> [4] and adds [7] (5); [8,9] is a new root child "
+        "(6); [1,2] ends exactly at a node: nothing changes.\n"
+        "cache = RadixCache()\n"
+        "for i, key in enumerate(Q2_INSERTS):\n"
+        "    cache.insert(key, list(range(100 * i, 100 * i + len(key))))\n"
+        "def count(node):\n"
+        "    return sum(1 + count(child) for child in node.children.values())\n"
+        "answer = count(cache.root_node)"
+    ),
+)
+
+
+# q3 -------------------------------------------------------------------------------------------
+# (key, KV slots) pairs: the second request computed all of its tokens itself.
+Q3_INSERTS = [([5, 6, 7, 8, 9], [40, 41, 42, 43, 44]), ([5, 6, 7, 1, 2], [50, 51, 52, 53, 54])]
+Q3_QUERY = [5, 6, 7, 1]
+
+
+def q3_expected() -> list[int]:
+    """KV slots that ``match_prefix(Q3_QUERY)`` returns after the ``Q3_INSERTS``."""
+    cache = RadixCache()
+    for key, value in Q3_INSERTS:
+        cache.insert(key, value)
+    return cache.match_prefix(Q3_QUERY).indices
+
+
+def _check_q3(answer: object) -> str | None:
+    if not isinstance(answer, list | tuple) or not all(
+        isinstance(s, int) and not isinstance(s, bool) for s in answer
+    ):
+        return "expected a list of slot ids (ints)"
+    expected = q3_expected()
+    if len(answer) != len(expected):
+        return f"{len(answer)} slots, but the query matches {len(expected)} tokens"
+    if list(answer) != expected:
+        return "right length, wrong slots: which copy of [5, 6, 7] does the tree keep?"
+    return None
+
+
+q3 = Exercise(
+    "q3 slots of a mid-edge match",
+    _check_q3,
+    hint=(
+        "insert() keeps the slots the tree already has for the cached prefix; only the new "
+        "tail brings its own slots. The query then ends inside the second request's leaf."
+    ),
+    solution=(
+        "[40, 41, 42, 53]: the tree kept slots 40-42 for [5, 6, 7] (insert returned 3, and "
+        "the second request must free its duplicates 50-52); the leaf [1, 2] holds 53, 54, and "
+        "the query stops after 1, so match_prefix splits that leaf and returns 53.\n"
+        "cache = RadixCache()\n"
+        "for key, value in Q3_INSERTS:\n"
+        "    cache.insert(key, value)\n"
+        "answer = cache.match_prefix(Q3_QUERY).indices"
+    ),
+)
+
+
+# q4 -------------------------------------------------------------------------------------------
+Q4_PAGE_SIZE = 2
+Q4_INSERT = [1, 2, 3, 4, 5, 6, 7]
+Q4_QUERY = [1, 2, 3, 4, 5, 9, 9]
+
+
+def q4_expected() -> tuple[int, int]:
+    """``(total_size() after inserting Q4_INSERT, tokens matched for Q4_QUERY)`` with
+    ``page_size = Q4_PAGE_SIZE``."""
+    cache = RadixCache(page_size=Q4_PAGE_SIZE)
+    cache.insert(Q4_INSERT, _fresh_slots(0, len(Q4_INSERT)))
+    return cache.total_size(), len(cache.match_prefix(Q4_QUERY).indices)
+
+
+def _check_q4(answer: object) -> str | None:
+    if not isinstance(answer, tuple | list) or len(answer) != 2:
+        return "expected a pair (cached tokens, matched tokens)"
+    cached, matched = q4_expected()
+    problem = _check_int(answer[0], cached, "tokens")
+    if problem is not None:
+        return f"cached tokens: {problem}"
+    problem = _check_int(answer[1], matched, "tokens")
+    if problem is not None:
+        return f"matched tokens: {problem}"
+    return None
+
+
+q4 = Exercise(
+    "q4 page_size 2",
+    _check_q4,
+    hint="Both insert and match_prefix cut keys to whole pages, and a match is rounded down "
+    "to a whole page.",
+    solution=(
+        "(6, 4): the 7-token key is cut to 3 pages (6 tokens); the query shares 5 tokens with "
+        "it, rounded down to 2 pages = 4 tokens.\n"
+        "cache = RadixCache(page_size=Q4_PAGE_SIZE)\n"
+        "cache.insert(Q4_INSERT, list(range(len(Q4_INSERT))))\n"
+        "answer = (cache.total_size(), len(cache.match_prefix(Q4_QUERY).indices))"
+    ),
+)
+
+
+# q5 -------------------------------------------------------------------------------------------
+Q5_INSERTS = [[1, 2, 3, 4], [5, 6]]
+Q5_QUERY = [1, 2, 9]
+
+
+def q5_expected() -> int:
+    """Id of the node that holds the suffix ``[3, 4]`` after ``match_prefix(Q5_QUERY)``."""
+    cache = RadixCache()
+    for i, key in enumerate(Q5_INSERTS):
+        cache.insert(key, _fresh_slots(100 * i, len(key)))
+    node = cache.match_prefix(Q5_QUERY).last_node
+    (suffix,) = node.children.values()
+    return suffix.id
+
+
+q5 = Exercise(
+    "q5 node id after a split",
+    lambda a: _check_int(a, q5_expected(), "a node id"),
+    hint=(
+        "Ids are handed out in creation order, starting with the root at 0. In minirad a "
+        "split keeps the old id on the prefix part; the suffix part gets the next free id."
+    ),
+    solution=(
+        "3: the root is #0, [1,2,3,4] is #1 and [5,6] is #2. The match stops inside #1, which "
+        "is split: the prefix [1, 2] keeps id 1 (it is the returned last_node) and the suffix "
+        "[3, 4] gets the next id, 3.\n"
+        "cache = RadixCache()\n"
+        "for i, key in enumerate(Q5_INSERTS):\n"
+        "    cache.insert(key, list(range(100 * i, 100 * i + len(key))))\n"
+        "node = cache.match_prefix(Q5_QUERY).last_node\n"
+        "answer = next(iter(node.children.values())).id"
+    ),
+)

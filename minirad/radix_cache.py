@@ -1,0 +1,723 @@
+"""The radix prefix cache of SGLang's RadixAttention.
+
+A radix tree (compressed trie) over token ids. Each edge holds a run of tokens (``key``) and
+the KV-pool slots that hold their keys and values (``value``, one slot per token). A request
+walks the tree with :meth:`RadixCache.match_prefix` to find how much of its prompt is already
+computed, locks that path while it runs, and inserts its full sequence when done; unlocked
+leaves are evicted, least recently used first, when memory runs short.
+
+Follows Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs"
+(NeurIPS 2024, §3 and Algorithm 1) and ``python/sglang/srt/mem_cache/radix_cache.py``:
+split on a match that ends inside an edge, ``lock_ref`` counted on the whole path to the root,
+evictable/protected accounting, page-aligned keys, children keyed by the first token (or first
+page) and namespaced by ``extra_key``, and the request lifecycle in
+:meth:`RadixCache.cache_finished_req` / :meth:`RadixCache.cache_unfinished_req`.
+
+Differences from SGLang, on purpose: keys and values are plain Python lists (no torch tensors
+in the tree); time is a logical clock from :class:`minirad.events.EventBus`; a split keeps the
+node *id* on the prefix part (the part whose edge from the parent is unchanged), so drawings
+stay stable, while the suffix keeps the object (a request holding it stays correct).
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import graphviz
+
+from .errors import InvalidArgumentError, InvalidKeyError, InvariantError, LockError
+from .events import (
+    EventBus,
+    EvictEvent,
+    InsertEvent,
+    LockEvent,
+    MatchEvent,
+    ResetEvent,
+    SplitEvent,
+    UnlockEvent,
+)
+from .eviction import EvictionPolicy, get_policy
+from .kv_pool import TokenToKVPoolAllocator
+
+__all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
+
+
+class TreeNode:
+    """One node of the radix tree; ``key``/``value`` describe the edge from ``parent``.
+
+    Attributes:
+        id: stable display id (the root is 0).
+        key: token ids on the edge into this node (empty for the root).
+        value: KV slot indices, one per token of ``key``.
+        children: child nodes keyed by the child key of their edge (first token, or first
+            page as a tuple when ``page_size > 1``; ``(extra_key, that)`` when namespaced).
+        parent: the parent node (None for the root and for evicted nodes).
+        lock_ref: number of running requests whose matched path passes through this node.
+        last_access_time: logical time of the last match or insert that walked this node.
+        creation_time: logical time at which these tokens were inserted.
+        hit_count: number of ``match_prefix`` calls that walked through this node.
+        extra_key: namespace of the subtree (LoRA id, cache salt), or None.
+    """
+
+    __slots__ = (
+        "id",
+        "key",
+        "value",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access_time",
+        "creation_time",
+        "hit_count",
+        "extra_key",
+    )
+
+    def __init__(
+        self,
+        id: int,
+        key: list[int],
+        value: list[int],
+        parent: TreeNode | None,
+        time: int,
+        extra_key: str | None = None,
+    ) -> None:
+        self.id = id
+        self.key = key
+        self.value = value
+        self.children: dict = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access_time = time
+        self.creation_time = time
+        self.hit_count = 0
+        self.extra_key = extra_key
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        head = self.key[:8]
+        more = ", ..." if len(self.key) > 8 else ""
+        return (
+            f"TreeNode(id={self.id}, key=[{', '.join(map(str, head))}{more}] "
+            f"({len(self.key)} tokens), lock_ref={self.lock_ref})"
+        )
+
+
+class MatchResult(NamedTuple):
+    """What :meth:`RadixCache.match_prefix` found.
+
+    Attributes:
+        indices: KV slot indices of the matched prefix, one per token.
+        last_node: the deepest matched node (the root when nothing matched). Lock it with
+            :meth:`RadixCache.inc_lock_ref` to keep the prefix from being evicted.
+    """
+
+    indices: list[int]
+    last_node: TreeNode
+
+
+@dataclass
+class Req:
+    """The request state the lifecycle helpers need (a subset of SGLang's ``Req``).
+
+    Attributes:
+        rid: request id.
+        origin_input_ids: prompt token ids (image placeholders already replaced by pad ids).
+        output_ids: generated token ids so far.
+        extra_key: cache namespace of the request.
+        kv_indices: KV slots of every token that has KV, in order (SGLang's
+            ``req_to_token`` row). The last sampled token has no KV yet and has no slot here.
+        prefix_indices: the slots that came from the tree at the last match or insert.
+        last_node: the locked node that ends the request's cached prefix.
+        cache_protected_len: how many leading ``kv_indices`` belong to the tree.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    extra_key: str | None = None
+    kv_indices: list[int] = field(default_factory=list)
+    prefix_indices: list[int] = field(default_factory=list)
+    last_node: TreeNode | None = None
+    cache_protected_len: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Prompt plus output tokens."""
+        return self.origin_input_ids + self.output_ids
+
+
+def _check_tokens(name: str, ids: Sequence[int]) -> list[int]:
+    """``ids`` as a list of ints >= 0 (lists, tuples, arrays and tensors accepted)."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    try:
+        arr = array("q", ids)  # C-speed type check: floats, strings, None are rejected
+    except (TypeError, OverflowError):
+        raise InvalidKeyError(f"{name} must be a sequence of non-negative ints") from None
+    if arr and min(arr) < 0:
+        raise InvalidKeyError(f"{name} must be non-negative ints, got {min(arr)}")
+    return arr.tolist()
+
+
+class RadixCache:
+    """SGLang's radix prefix cache over token ids.
+
+    Args:
+        page_size: tokens per KV page; keys are cut to a multiple of it, splits happen only
+            at page boundaries, and two keys that differ inside their first page share nothing.
+        eviction_policy: ``"lru"`` (default), ``"lfu"``, ``"fifo"`` or an
+            :class:`~minirad.eviction.EvictionPolicy`.
+        token_to_kv_pool_allocator: the allocator that owns the slots; evicted slots and
+            duplicate slots of finished requests are freed to it. None for a simulated cache
+            (``evict`` then only returns the slots).
+        bus: event bus (logical clock + subscribers); a private one if None.
+
+    Sizes (``evictable_size()`` etc.) are in tokens.
+    """
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        eviction_policy: str | EvictionPolicy = "lru",
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator | None = None,
+        bus: EventBus | None = None,
+    ) -> None:
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
+        alloc = token_to_kv_pool_allocator
+        if alloc is not None and alloc.page_size != page_size:
+            raise InvalidArgumentError(
+                f"allocator page_size {alloc.page_size} differs from cache page_size {page_size}"
+            )
+        self.page_size = page_size
+        self.eviction_policy = get_policy(eviction_policy)
+        self.token_to_kv_pool_allocator = alloc
+        self.bus = bus if bus is not None else EventBus()
+        self._init_tree()
+
+    # ------------------------------------------------------------------ state
+    def _init_tree(self) -> None:
+        self._next_id = 0
+        self.root_node = self._new_node([], [], None, self.bus.time)
+        self.root_node.lock_ref = 1  # the root is never evictable (SGLang does the same)
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+        self.evictable_leaves: set[TreeNode] = set()
+        self._slots: set[int] = set()  # every slot the tree owns, to reject double ownership
+        self.queries = 0  # tokens looked up by match_prefix
+        self.hits = 0  # tokens found by match_prefix
+
+    def reset(self) -> None:
+        """Drop the whole tree; its slots go back to the allocator, if there is one.
+
+        Raises:
+            LockError: some request still holds a lock (``protected_size() > 0``).
+        """
+        if self.protected_size_:
+            raise LockError(f"cannot reset: {self.protected_size_} tokens are locked")
+        if self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.free(self.all_values_flatten())
+        self._init_tree()
+        t = self.bus.tick()
+        if self.bus.active:
+            self.bus.emit(ResetEvent(t, "radix_cache"))
+
+    def _new_node(self, key, value, parent, time, extra_key=None) -> TreeNode:
+        node = TreeNode(self._next_id, key, value, parent, time, extra_key)
+        self._next_id += 1
+        return node
+
+    def _child_key(self, key: Sequence[int], i: int, extra_key: str | None):
+        ck = key[i] if self.page_size == 1 else tuple(key[i : i + self.page_size])
+        return ck if extra_key is None else (extra_key, ck)
+
+    def _match_len(self, edge: list[int], key: list[int], i: int) -> int:
+        """Length of the common prefix of ``edge`` and ``key[i:]``, rounded down to a page."""
+        n = min(len(edge), len(key) - i)
+        if key[i : i + n] == (edge if n == len(edge) else edge[:n]):
+            m = n
+        else:
+            m = 0
+            while edge[m] == key[i + m]:
+                m += 1
+        return m - m % self.page_size
+
+    def _aligned(self, key: list[int]) -> list[int]:
+        return key[: len(key) - len(key) % self.page_size]
+
+    # ------------------------------------------------------------------ match / insert
+    def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
+        """Find the longest cached prefix of ``key`` (cut to whole pages).
+
+        Mutates the tree like SGLang: a match that ends inside an edge splits that node, so
+        the returned ``last_node`` ends exactly at the matched prefix; every node on the path
+        gets the current time and one more ``hit_count``. Counts ``queries`` / ``hits``.
+
+        Args:
+            key: token ids, ``len(key)`` tokens.
+            extra_key: namespace; keys with different extra keys never share nodes.
+
+        Returns:
+            ``MatchResult(indices, last_node)``: ``len(indices)`` matched tokens' slots.
+
+        Raises:
+            InvalidKeyError: a token id is negative or not an int.
+        """
+        key = self._aligned(_check_tokens("key", key))
+        t = self.bus.tick()
+        indices, node, path = self._match(key, extra_key, t, count_hit=True)
+        self.queries += len(key)
+        self.hits += len(indices)
+        if self.bus.active:
+            self.bus.emit(MatchEvent(t, tuple(path), len(indices), len(key), extra_key))
+        return MatchResult(indices, node)
+
+    def _match(self, key: list[int], extra_key, t: int, count_hit: bool):
+        node = self.root_node
+        node.last_access_time = t
+        indices: list[int] = []
+        path: list[int] = []
+        i = 0
+        while i < len(key):
+            child = node.children.get(self._child_key(key, i, extra_key))
+            if child is None:
+                break
+            child.last_access_time = t
+            m = self._match_len(child.key, key, i)
+            split = m < len(child.key)
+            if split:
+                child = self._split_node(child, m, t)
+            if count_hit:
+                child.hit_count += 1
+            indices += child.value
+            path.append(child.id)
+            node = child
+            i += m
+            if split:
+                break
+        return indices, node, path
+
+    def _split_node(self, child: TreeNode, m: int, t: int) -> TreeNode:
+        """Cut ``parent -> child`` into ``parent -> new -> child`` after ``m`` tokens; return
+        ``new``. No KV moves: the slots are just divided between the two edges, and ``new``
+        copies ``lock_ref`` so the evictable/protected sums are unchanged."""
+        parent = child.parent
+        new = TreeNode(child.id, child.key[:m], child.value[:m], parent, t, child.extra_key)
+        new.lock_ref = child.lock_ref
+        new.hit_count = child.hit_count
+        new.creation_time = child.creation_time
+        new.last_access_time = child.last_access_time
+        child.id = self._next_id
+        self._next_id += 1
+        parent.children[self._child_key(child.key, 0, child.extra_key)] = new
+        child.key = child.key[m:]
+        child.value = child.value[m:]
+        child.parent = new
+        new.children = {self._child_key(child.key, 0, child.extra_key): child}
+        if self.bus.active:
+            self.bus.emit(SplitEvent(t, new.id, child.id, m))
+        return new
+
+    def insert(
+        self, key: Sequence[int], value: Sequence[int] | None = None, extra_key: str | None = None
+    ) -> int:
+        """Add ``key`` (cut to whole pages) with its KV slots ``value``.
+
+        The tree keeps the slots it already has for the cached prefix; the caller still owns
+        (and must free) its own slots ``value[:prefix_len]`` when they differ from the tree's.
+        Only the new tail becomes a leaf, with slots ``value[prefix_len:]``.
+
+        Args:
+            key: token ids.
+            value: one KV slot per token; None uses the token ids themselves (handy in tests).
+            extra_key: namespace, as in :meth:`match_prefix`.
+
+        Returns:
+            ``prefix_len``: how many leading tokens of the (aligned) key were already cached.
+
+        Raises:
+            InvalidKeyError: bad token ids or slots, ``len(value) != len(key)``, or new slots
+                that the tree already owns (the tree is unchanged).
+        """
+        key = _check_tokens("key", key)
+        value = list(key) if value is None else _check_tokens("value", value)
+        if len(value) != len(key):
+            raise InvalidKeyError(f"value has {len(value)} slots for {len(key)} tokens")
+        key = self._aligned(key)
+        value = value[: len(key)]
+        t = self.bus.tick()
+        node = self.root_node
+        node.last_access_time = t
+        path: list[int] = []
+        i = 0
+        while i < len(key):
+            child = node.children.get(self._child_key(key, i, extra_key))
+            if child is None:
+                break
+            child.last_access_time = t
+            m = self._match_len(child.key, key, i)
+            if m < len(child.key):
+                child = self._split_node(child, m, t)
+            path.append(child.id)
+            node = child
+            i += m
+        leaf = None
+        if i < len(key):
+            new_value = value[i:]
+            if not self._slots.isdisjoint(new_value) or len(set(new_value)) != len(new_value):
+                raise InvalidKeyError("insert would give the tree a slot it already owns")
+            leaf = self._new_node(key[i:], new_value, node, t, extra_key)
+            node.children[self._child_key(key, i, extra_key)] = leaf
+            self.evictable_size_ += len(new_value)
+            self._slots.update(new_value)
+            self.evictable_leaves.discard(node)
+            self.evictable_leaves.add(leaf)
+        if self.bus.active:
+            self.bus.emit(
+                InsertEvent(
+                    t,
+                    tuple(path),
+                    i,
+                    leaf.id if leaf else None,
+                    node.id if leaf else None,
+                    tuple(leaf.key) if leaf else (),
+                    tuple(leaf.value) if leaf else (),
+                    extra_key,
+                )
+            )
+        return i
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, num_tokens: int) -> list[int]:
+        """Free at least ``num_tokens`` tokens (whole leaves; may free more) if possible.
+
+        Only unlocked leaves go, in the order of the eviction policy; a parent that becomes an
+        unlocked leaf joins the candidates at once (cascading eviction, as in SGLang).
+
+        Returns:
+            the freed slot indices (also returned to the allocator, if any). Fewer than
+            ``num_tokens`` when nothing else is evictable.
+
+        Raises:
+            InvalidArgumentError: ``num_tokens`` is negative.
+        """
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        t = self.bus.tick()
+        priority = self.eviction_policy.priority
+        heap = [(priority(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_tokens and heap:
+            _, x = heapq.heappop(heap)
+            freed += x.value
+            parent = x.parent
+            self._delete_leaf(x)
+            if self.bus.active:
+                self.bus.emit(EvictEvent(t, x.id, len(x.value), tuple(x.value)))
+            if parent in self.evictable_leaves:
+                heapq.heappush(heap, (priority(parent), parent))
+        if self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.free(freed)
+        return freed
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[self._child_key(node.key, 0, node.extra_key)]
+        node.parent = None
+        self.evictable_size_ -= len(node.key)
+        self._slots.difference_update(node.value)
+        self.evictable_leaves.discard(node)
+        if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+            self.evictable_leaves.add(parent)
+
+    # ------------------------------------------------------------------ locks
+    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        while node is not self.root_node:
+            if node.parent is None:
+                raise LockError(f"node {node.id} is no longer in the tree (evicted)")
+            path.append(node)
+            node = node.parent
+        return path
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock ``node`` and every ancestor (the root excluded): one more running request uses
+        this prefix. Nodes going from 0 to 1 move from evictable to protected.
+
+        Returns:
+            the change of ``evictable_size()`` (<= 0), as in SGLang's Algorithm 1.
+
+        Raises:
+            LockError: ``node`` was evicted.
+        """
+        path = self._path_to_root(node)
+        delta = 0
+        for n in path:
+            if n.lock_ref == 0:
+                self.evictable_size_ -= len(n.key)
+                self.protected_size_ += len(n.key)
+                delta -= len(n.key)
+                self.evictable_leaves.discard(n)
+            n.lock_ref += 1
+        t = self.bus.tick()
+        if self.bus.active and path:
+            self.bus.emit(LockEvent(t, tuple(n.id for n in path), tuple(n.lock_ref for n in path)))
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one :meth:`inc_lock_ref` on ``node``. Nodes going from 1 to 0 become evictable.
+
+        Returns:
+            the change of ``evictable_size()`` (>= 0).
+
+        Raises:
+            LockError: ``node`` was evicted, or some node on its path is not locked (the tree
+                is unchanged).
+        """
+        path = self._path_to_root(node)
+        for n in path:
+            if n.lock_ref <= 0:
+                raise LockError(f"node {n.id} is not locked (lock_ref={n.lock_ref})")
+        delta = 0
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.evictable_size_ += len(n.key)
+                self.protected_size_ -= len(n.key)
+                delta += len(n.key)
+                if not n.children:
+                    self.evictable_leaves.add(n)
+        t = self.bus.tick()
+        if self.bus.active and path:
+            self.bus.emit(
+                UnlockEvent(t, tuple(n.id for n in path), tuple(n.lock_ref for n in path))
+            )
+        return delta
+
+    # ------------------------------------------------------------------ sizes
+    def evictable_size(self) -> int:
+        """Cached tokens that no request locks."""
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        """Cached tokens locked by running requests."""
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        """All cached tokens, counted by walking the tree."""
+        return sum(len(n.value) for n in self._nodes())
+
+    def all_values_flatten(self) -> list[int]:
+        """Every slot the tree owns, in depth-first order."""
+        return [s for n in self._nodes() for s in n.value]
+
+    def _nodes(self):
+        """All nodes except the root, depth-first, children in insertion order."""
+        stack = list(reversed(self.root_node.children.values()))
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(reversed(n.children.values()))
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / queries`` in tokens (0.0 before the first query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    # ------------------------------------------------------------------ request lifecycle
+    def match_prefix_for_req(self, req: Req) -> list[int]:
+        """Match a new (or resumed) request and lock its prefix.
+
+        At most ``len(req.fill_ids) - 1`` tokens may match: the last token is always computed
+        again so the model produces logits for it (SGLang ``_compute_max_prefix_len``, vLLM's
+        last-token rule). Sets ``req.prefix_indices``, ``req.kv_indices`` (a copy),
+        ``req.last_node`` (locked) and ``req.cache_protected_len``.
+
+        Returns:
+            the matched slots.
+        """
+        fill = req.fill_ids
+        indices, node = self.match_prefix(fill[: max(len(fill) - 1, 0)], req.extra_key)
+        self.inc_lock_ref(node)
+        req.prefix_indices = indices
+        req.kv_indices = list(indices)
+        req.last_node = node
+        req.cache_protected_len = len(indices)
+        return indices
+
+    def _check_req(self, req: Req) -> list[int]:
+        if req.last_node is None:
+            raise LockError(f"request {req.rid} holds no lock; call match_prefix_for_req first")
+        if len(req.kv_indices) > len(req.fill_ids):
+            raise InvalidKeyError(
+                f"request {req.rid} has {len(req.kv_indices)} KV slots for "
+                f"{len(req.fill_ids)} tokens"
+            )
+        return req.fill_ids[: len(req.kv_indices)]
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """Insert what a running request has computed so far and move its lock down.
+
+        After a chunk of chunked prefill (or to share a long decode), the request's computed
+        tokens go into the tree. Slots it computed for tokens that another request inserted in
+        the meantime are duplicates: they are freed and the request switches to the tree's
+        slots (SGLang's dedupe contract: the tree owns exactly one copy of each prefix).
+        The partial last page stays private to the request.
+        """
+        token_ids = self._check_req(req)
+        kv = req.kv_indices
+        n = len(token_ids) - len(token_ids) % self.page_size
+        prefix_len = self.insert(token_ids[:n], kv[:n], req.extra_key)
+        self._free(kv[req.cache_protected_len : prefix_len])
+        new_indices, new_node, _ = self._match(
+            self._aligned(token_ids), req.extra_key, self.bus.tick(), count_hit=False
+        )
+        kv[: len(new_indices)] = new_indices
+        self.inc_lock_ref(new_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices = new_indices
+        req.last_node = new_node
+        req.cache_protected_len = len(new_indices)
+
+    def cache_finished_req(self, req: Req) -> None:
+        """Insert a finished request's tokens, free its duplicate and unaligned slots, and
+        release its lock.
+
+        Only tokens with KV are cached: ``req.kv_indices`` must not include the last sampled
+        token (it was never fed back to the model).
+        """
+        token_ids = self._check_req(req)
+        kv = req.kv_indices
+        n = len(token_ids) - len(token_ids) % self.page_size
+        prefix_len = self.insert(token_ids[:n], kv[:n], req.extra_key)
+        self._free(kv[req.cache_protected_len : prefix_len] + kv[n:])
+        self.dec_lock_ref(req.last_node)
+        req.last_node = None
+        req.kv_indices = []
+        req.prefix_indices = []
+        req.cache_protected_len = 0
+
+    def _free(self, slots: list[int]) -> None:
+        if self.token_to_kv_pool_allocator is not None and slots:
+            self.token_to_kv_pool_allocator.free(slots)
+
+    # ------------------------------------------------------------------ inspection
+    def format_tree(self, decode: Callable[[list[int]], str] | None = None) -> str:
+        """The tree as indented text: one line per node with its id, size, lock_ref and key
+        (decoded with ``decode`` if given, else the first token ids)."""
+        lines = [f"root  #tokens={self.total_size()}"]
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in node.children.values():
+                if decode is not None:
+                    label = repr(decode(child.key))
+                else:
+                    label = str(child.key[:10])[:-1] + (", ...]" if len(child.key) > 10 else "]")
+                lines.append(
+                    f"{'  ' * depth}[{child.id}] len={len(child.key)} "
+                    f"lock_ref={child.lock_ref} {label}"
+                )
+                walk(child, depth + 1)
+
+        walk(self.root_node, 1)
+        return "\n".join(lines)
+
+    def pretty_print(self, decode: Callable[[list[int]], str] | None = None) -> None:
+        """Print :meth:`format_tree`."""
+        print(self.format_tree(decode))
+
+    def to_dot(
+        self, decode: Callable[[list[int]], str] | None = None, max_label: int = 24
+    ) -> graphviz.Digraph:
+        """A ``graphviz.Digraph`` of the tree: one box per node (id, tokens, lock_ref), the
+        edge label showing the key (decoded if ``decode`` is given). Locked nodes are shaded.
+        Rendering needs Graphviz's ``dot`` program (``make lab`` installs it)."""
+        dot = graphviz.Digraph(
+            "radix_tree",
+            graph_attr={"rankdir": "LR"},
+            node_attr={"shape": "box", "fontname": "Helvetica", "fontsize": "10"},
+            edge_attr={"fontname": "Helvetica", "fontsize": "9"},
+        )
+        dot.node("0", "root", shape="circle")
+        for n in self._nodes():
+            text = decode(n.key) if decode is not None else " ".join(map(str, n.key))
+            if len(text) > max_label:
+                text = text[: max_label - 1] + "…"
+            style = {"style": "filled", "fillcolor": "#cfe2ff"} if n.lock_ref else {}
+            dot.node(str(n.id), f"#{n.id}  {len(n.key)} tok\\nlock_ref={n.lock_ref}", **style)
+            dot.edge(str(n.parent.id), str(n.id), label=text)
+        return dot
+
+    def check_invariants(self) -> None:
+        """Verify the tree's bookkeeping; raise :class:`InvariantError` on the first breach.
+
+        Checked: parent/child links and child keys; key/value lengths (whole pages, non-empty);
+        no slot owned twice (and none free in the allocator); ``lock_ref`` of a parent at least
+        the sum of its children's; evictable/protected sizes; the evictable-leaf set.
+        """
+
+        def fail(msg: str) -> None:
+            raise InvariantError(msg)
+
+        root = self.root_node
+        if root.lock_ref != 1 or root.key or root.value or root.parent is not None:
+            fail("root must have lock_ref 1, an empty key/value and no parent")
+        seen: list[int] = []
+        evictable = protected = 0
+        leaves = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            # The root's lock_ref is a constant 1 (it is never on a lock path), so only
+            # real nodes must cover their children's locks.
+            locks_below = sum(c.lock_ref for c in node.children.values())
+            if node is not root and locks_below > node.lock_ref:
+                fail(f"node {node.id}: children hold more locks than the node")
+            for ck, child in node.children.items():
+                if child.parent is not node:
+                    fail(f"node {child.id}: parent link broken")
+                if ck != self._child_key(child.key, 0, child.extra_key):
+                    fail(f"node {child.id}: stored under child key {ck!r}")
+                if not child.key or len(child.key) != len(child.value):
+                    fail(f"node {child.id}: key/value lengths {len(child.key)}/{len(child.value)}")
+                if len(child.key) % self.page_size:
+                    fail(f"node {child.id}: key length {len(child.key)} is not whole pages")
+                if child.lock_ref < 0:
+                    fail(f"node {child.id}: negative lock_ref")
+                seen += child.value
+                if child.lock_ref:
+                    protected += len(child.key)
+                else:
+                    evictable += len(child.key)
+                    if not child.children:
+                        leaves.add(child)
+                stack.append(child)
+        if len(set(seen)) != len(seen):
+            fail("a slot is owned by two nodes")
+        if set(seen) != self._slots:
+            fail("slot registry out of sync with the tree")
+        if (evictable, protected) != (self.evictable_size_, self.protected_size_):
+            fail(
+                f"sizes: counted evictable={evictable} protected={protected}, recorded "
+                f"{self.evictable_size_}/{self.protected_size_}"
+            )
+        if leaves != self.evictable_leaves:
+            fail("evictable-leaf set out of sync with the tree")
+        alloc = self.token_to_kv_pool_allocator
+        if alloc is not None and not all(alloc.is_allocated(s) for s in seen):
+            fail("the tree owns a slot that the allocator thinks is free")
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy.name!r}, "
+            f"nodes={sum(1 for _ in self._nodes())}, evictable={self.evictable_size_}, "
+            f"protected={self.protected_size_})"
+        )

@@ -1,0 +1,157 @@
+"""Unit tests of the physical KV tensor and the token-slot allocator (``minirad.kv_pool``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minirad import (
+    InvalidArgumentError,
+    KVCache,
+    OutOfMemoryError,
+    TokenToKVPoolAllocator,
+    UnknownBlockError,
+    block_table_from_slots,
+    slot_mapping,
+)
+
+DIMS = dict(num_layers=3, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8)
+
+
+# ---------------------------------------------------------------------- KVCache
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kv_cache_shapes_and_byte_counts(dtype: torch.dtype) -> None:
+    kv = KVCache(**DIMS, dtype=dtype)
+    shape = (3, 5, 4, 2, 8)
+    assert kv.k_cache.shape == kv.v_cache.shape == shape
+    assert kv.k_cache.dtype == dtype
+    assert kv.num_slots == 5 * 4
+    elem = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}[dtype]
+    assert kv.bytes_per_token == 2 * 3 * 2 * 8 * elem  # K and V, every layer
+    assert kv.bytes_per_block == kv.bytes_per_token * 4
+    assert kv.nbytes == kv.bytes_per_token * 20
+    tensor_bytes = sum(t.numel() * t.element_size() for t in (kv.k_cache, kv.v_cache))
+    assert kv.nbytes == tensor_bytes
+
+
+def test_store_then_gather_returns_what_was_written() -> None:
+    kv = KVCache(**DIMS)
+    slots = torch.tensor([0, 5, 6, 19, 13])
+    k = torch.randn(5, 2, 8)
+    v = torch.randn(5, 2, 8)
+    kv.store(1, slots, k, v)
+    k_flat, v_flat = kv.layer(1)
+    assert k_flat.shape == (20, 2, 8)
+    assert torch.equal(k_flat[slots], k) and torch.equal(v_flat[slots], v)
+    # The flat slot view is the [block, offset] layout, not a copy.
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(kv.k_cache[1, s // 4, s % 4], k[i])
+        assert torch.equal(kv.v_cache[1, s // 4, s % 4], v[i])
+    # Other layers and other slots are untouched.
+    assert kv.k_cache[0].abs().sum() == 0 and kv.v_cache[2].abs().sum() == 0
+    untouched = [s for s in range(20) if s not in slots.tolist()]
+    assert k_flat[untouched].abs().sum() == 0
+
+
+def test_kv_cache_rejects_bad_dimensions() -> None:
+    for name in DIMS:
+        with pytest.raises(InvalidArgumentError):
+            KVCache(**{**DIMS, name: 0})
+    with pytest.raises(InvalidArgumentError):
+        KVCache(**{**DIMS, "head_dim": 8.0})
+
+
+# ---------------------------------------------------------------------- slot mapping
+def test_slot_mapping_and_block_table_round_trip() -> None:
+    table = [3, 0, 2]
+    slots = slot_mapping(table, range(10), block_size=4)
+    assert slots == [12, 13, 14, 15, 0, 1, 2, 3, 8, 9]  # blocks 3, 0, 2 in turn
+    assert block_table_from_slots(slots, 4) == table
+    assert slot_mapping(table, [9, 1], 4) == [9, 13]  # any subset of positions
+
+
+def test_slot_mapping_rejects_positions_outside_the_table() -> None:
+    with pytest.raises(InvalidArgumentError):
+        slot_mapping([1, 2], [8], block_size=4)
+    with pytest.raises(InvalidArgumentError):
+        slot_mapping([1, 2], [-1], block_size=4)
+
+
+def test_block_table_from_slots_rejects_misaligned_slots() -> None:
+    with pytest.raises(InvalidArgumentError):
+        block_table_from_slots([4, 6], 4)  # token 1 at offset 2
+    with pytest.raises(InvalidArgumentError):
+        block_table_from_slots([5], 4)  # token 0 at offset 1
+    with pytest.raises(InvalidArgumentError):
+        block_table_from_slots([4, 9], 4)  # offset right, block changes mid-page
+
+
+# ---------------------------------------------------------------------- allocator
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_allocator_hands_out_whole_pages(page_size: int) -> None:
+    alloc = TokenToKVPoolAllocator(8 * page_size, page_size)
+    assert alloc.available_size() == 8 * page_size
+    slots = alloc.alloc(5)
+    pages = -(-5 // page_size)
+    assert len(slots) == 5 and len(set(slots)) == 5
+    assert alloc.available_size() == (8 - pages) * page_size
+    # Every slot sits at its position's page offset, pages are distinct and whole.
+    assert [s % page_size for s in slots] == [i % page_size for i in range(5)]
+    assert len(block_table_from_slots(slots, page_size)) == pages
+    assert all(alloc.is_allocated(s) for s in slots)
+    assert alloc.alloc(0) == []
+    alloc.free(slots)
+    assert alloc.available_size() == 8 * page_size
+    assert not any(alloc.is_allocated(s) for s in slots)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_allocator_out_of_memory_changes_nothing(page_size: int) -> None:
+    alloc = TokenToKVPoolAllocator(4 * page_size, page_size)
+    held = alloc.alloc(2 * page_size)
+    with pytest.raises(OutOfMemoryError):
+        alloc.alloc(2 * page_size + 1)
+    assert alloc.available_size() == 2 * page_size
+    rest = alloc.alloc(2 * page_size)  # exactly what was free still works
+    assert set(rest).isdisjoint(held) and alloc.available_size() == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_allocator_double_free_and_unknown_slots_raise(page_size: int) -> None:
+    alloc = TokenToKVPoolAllocator(4 * page_size, page_size)
+    a = alloc.alloc(page_size)
+    b = alloc.alloc(page_size)
+    alloc.free(a)
+    for bad in (a, [a[0]], b + a, [4 * page_size], [-1], [1.0]):
+        with pytest.raises(UnknownBlockError):
+            alloc.free(bad)
+        assert alloc.available_size() == 3 * page_size  # nothing freed on error
+        assert all(alloc.is_allocated(s) for s in b)
+
+
+def test_allocator_frees_a_page_once_whichever_slots_are_named() -> None:
+    alloc = TokenToKVPoolAllocator(8, 4)
+    slots = alloc.alloc(3)  # one page, 3 of its 4 slots used
+    alloc.free([slots[2], slots[0]])
+    assert alloc.available_size() == 8
+    with pytest.raises(UnknownBlockError):
+        alloc.free([slots[1]])
+
+
+def test_allocator_reuses_freed_pages_in_fifo_order() -> None:
+    alloc = TokenToKVPoolAllocator(4)
+    first = alloc.alloc(4)
+    alloc.free([first[2]])
+    alloc.free([first[0]])
+    assert alloc.alloc(2) == [first[2], first[0]]
+
+
+def test_allocator_rejects_bad_arguments() -> None:
+    with pytest.raises(InvalidArgumentError):
+        TokenToKVPoolAllocator(6, 4)  # not whole pages
+    with pytest.raises(InvalidArgumentError):
+        TokenToKVPoolAllocator(8, 0)
+    alloc = TokenToKVPoolAllocator(8)
+    with pytest.raises(InvalidArgumentError):
+        alloc.alloc(-1)
+    assert alloc.available_size() == 8

@@ -1,0 +1,495 @@
+"""Unit tests of the radix prefix cache (``minirad.radix_cache``).
+
+Scenarios follow SGLang's semantics (``python/sglang/srt/mem_cache/radix_cache.py`` and its
+unit tests): split on match, ``lock_ref`` on the whole path, page alignment, cascading
+eviction, the ``len - 1`` rule and the dedupe contract of ``cache_*_req``. Expected values come
+from the scenario itself (slots we chose, counts we can add up by hand), never from the code
+under test. ``check_invariants()`` runs after every mutation that matters.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minirad import (
+    InvalidArgumentError,
+    InvalidKeyError,
+    InvariantError,
+    LockError,
+    OutOfMemoryError,
+    RadixCache,
+    Req,
+    TokenToKVPoolAllocator,
+    UnknownBlockError,
+)
+
+
+def nodes(cache: RadixCache) -> list:
+    """Every node except the root (walked here, not with the cache's own iterator)."""
+    out, stack = [], list(cache.root_node.children.values())
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out
+
+
+def snapshot(cache: RadixCache) -> tuple:
+    """Observable state: structure, slots, locks and sizes."""
+    shape = sorted(
+        (tuple(n.key), tuple(n.value), n.lock_ref, n.parent.id if n.parent else None)
+        for n in nodes(cache)
+    )
+    return shape, cache.evictable_size(), cache.protected_size()
+
+
+# ---------------------------------------------------------------------- match / insert
+def test_match_returns_deepest_node_and_locking_it_spares_only_that_path() -> None:
+    cache = RadixCache()
+    assert cache.insert([1, 2, 3, 4], [10, 11, 12, 13]) == 0
+    assert cache.insert([1, 2, 5, 6], [10, 11, 14, 15]) == 2
+    indices, last = cache.match_prefix([1, 2, 3, 4, 7])
+    assert indices == [10, 11, 12, 13]
+    assert last is not cache.root_node
+    assert last.key == [3, 4]
+    cache.inc_lock_ref(last)
+    assert sorted(cache.evict(100)) == [14, 15]
+    assert cache.match_prefix([1, 2, 3, 4]).indices == [10, 11, 12, 13]
+    assert cache.match_prefix([1, 2, 5, 6]).indices == [10, 11]
+    cache.check_invariants()
+
+
+def test_match_ending_inside_an_edge_splits_it() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4, 5, 6])
+    indices, last = cache.match_prefix([1, 2, 3, 9])
+    assert indices == [1, 2, 3]
+    assert last.key == [1, 2, 3]
+    assert [c.key for c in last.children.values()] == [[4, 5, 6]]
+    cache.inc_lock_ref(last)
+    assert cache.protected_size() == 3
+    assert cache.evictable_size() == 3
+    cache.check_invariants()
+
+
+def test_page_size_2_matches_and_stores_whole_pages_only() -> None:
+    cache = RadixCache(page_size=2)
+    cache.insert([1, 2, 3, 4])
+    assert cache.match_prefix([1, 2, 3, 9]).indices == [1, 2]
+    before = len(nodes(cache))
+    indices, last = cache.match_prefix([1])
+    assert indices == [] and last is cache.root_node
+    assert len(nodes(cache)) == before
+    # Odd lengths are cut to whole pages; a key that differs inside its first page shares
+    # nothing with [1, 2, ...].
+    assert cache.insert([1, 2, 3, 4, 5]) == 4
+    assert cache.insert([1, 3, 3], [20, 21, 22]) == 0
+    assert cache.insert([1, 2, 7, 8, 9], [1, 2, 30, 31, 32]) == 2
+    assert all(len(n.key) % 2 == 0 and len(n.value) == len(n.key) for n in nodes(cache))
+    assert cache.total_size() == 4 + 2 + 2  # [1,2,3,4], [1,3], [7,8]
+    cache.check_invariants()
+
+
+def test_lock_pins_leaf_and_every_ancestor_and_unlock_returns_to_zero() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3])
+    cache.insert([1, 2, 4, 5])
+    cache.insert([7])
+    leaf = cache.match_prefix([1, 2, 4, 5]).last_node
+    path = []
+    n = leaf
+    while n is not cache.root_node:
+        path.append(n)
+        n = n.parent
+    assert [p.key for p in path] == [[4, 5], [1, 2]]
+    assert cache.inc_lock_ref(leaf) == -4
+    assert cache.inc_lock_ref(leaf) == 0  # second lock: nothing newly protected
+    assert [p.lock_ref for p in path] == [2, 2]
+    assert (cache.protected_size(), cache.evictable_size()) == (4, 2)
+    # Everything not on the path can go; the path cannot.
+    assert sorted(cache.evict(100)) == [3, 7]
+    cache.check_invariants()
+    assert cache.dec_lock_ref(leaf) == 0
+    assert cache.dec_lock_ref(leaf) == 4
+    assert all(n.lock_ref == 0 for n in nodes(cache))
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 4)
+    cache.check_invariants()
+
+
+def test_two_locked_branches_pass_the_invariant_check() -> None:
+    # Regression: the root's constant lock_ref (1) was compared with its children's sum.
+    cache = RadixCache()
+    cache.insert([1, 2])
+    cache.insert([3, 4])
+    a = cache.match_prefix([1, 2]).last_node
+    b = cache.match_prefix([3, 4]).last_node
+    cache.inc_lock_ref(a)
+    cache.inc_lock_ref(b)
+    cache.check_invariants()
+
+
+def test_extra_key_namespaces_never_share_nodes() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [10, 11, 12], extra_key="lora-a")
+    assert cache.match_prefix([1, 2, 3]).indices == []
+    assert cache.match_prefix([1, 2, 3], extra_key="lora-b").indices == []
+    assert cache.insert([1, 2, 3], [20, 21, 22]) == 0
+    assert cache.insert([1, 2, 3], [30, 31, 32], extra_key="lora-b") == 0
+    assert cache.match_prefix([1, 2, 3], extra_key="lora-a").indices == [10, 11, 12]
+    assert cache.match_prefix([1, 2, 3]).indices == [20, 21, 22]
+    assert cache.match_prefix([1, 2, 3], extra_key="lora-b").indices == [30, 31, 32]
+    assert len(cache.root_node.children) == 3
+    assert all(len(n.key) == 3 for n in nodes(cache))
+    cache.check_invariants()
+
+
+def test_reinserting_a_cached_key_returns_its_length_and_keeps_the_old_slots() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [10, 11, 12])
+    before = snapshot(cache)
+    assert cache.insert([1, 2, 3], [20, 21, 22]) == 3
+    assert snapshot(cache) == before
+    assert cache.match_prefix([1, 2, 3]).indices == [10, 11, 12]
+    cache.check_invariants()
+
+
+def test_inserting_a_strict_prefix_of_an_edge_splits_without_a_new_leaf() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    assert cache.insert([1, 2], [20, 21]) == 2
+    ns = nodes(cache)
+    assert sorted(n.key for n in ns) == [[1, 2], [3, 4]]
+    assert [n.key for n in ns if not n.children] == [[3, 4]]
+    assert cache.total_size() == 4
+    assert cache.match_prefix([1, 2]).indices == [10, 11]
+    cache.check_invariants()
+
+
+def test_split_keeps_the_id_on_the_prefix_and_a_request_holding_the_suffix_can_unlock() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4])
+    held = cache.match_prefix([1, 2, 3, 4]).last_node
+    old_id = held.id
+    cache.inc_lock_ref(held)
+    prefix = cache.match_prefix([1, 2, 9]).last_node
+    assert prefix.id == old_id and prefix.key == [1, 2]
+    assert held.key == [3, 4] and held.parent is prefix
+    assert held.id not in {0, old_id}
+    assert len({n.id for n in nodes(cache)}) == 2
+    assert prefix.lock_ref == held.lock_ref == 1  # the split copied the lock
+    cache.check_invariants()
+    assert cache.dec_lock_ref(held) == 4
+    assert prefix.lock_ref == held.lock_ref == 0
+    cache.check_invariants()
+
+
+def test_hit_counters_count_tokens() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3])
+    cache.match_prefix([1, 2, 9, 9])
+    cache.match_prefix([5])
+    assert (cache.queries, cache.hits) == (5, 2)
+    assert cache.hit_rate == pytest.approx(2 / 5)
+
+
+def test_reset_frees_every_slot_and_refuses_while_locked() -> None:
+    alloc = TokenToKVPoolAllocator(8)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    slots = alloc.alloc(5)
+    cache.insert([1, 2, 3, 4, 5], slots)
+    node = cache.match_prefix([1, 2]).last_node
+    cache.inc_lock_ref(node)
+    with pytest.raises(LockError):
+        cache.reset()
+    cache.dec_lock_ref(node)
+    cache.reset()
+    assert alloc.available_size() == 8
+    assert cache.total_size() == 0 and cache.match_prefix([1, 2]).indices == []
+    with pytest.raises(LockError):  # a node from before the reset is gone
+        cache.inc_lock_ref(node)
+    cache.check_invariants()
+
+
+# ---------------------------------------------------------------------- eviction
+def test_cascading_eviction_takes_a_parent_that_becomes_an_unlocked_leaf() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2])
+    cache.insert([1, 2, 3])
+    assert cache.evict(3) == [3, 1, 2]
+    assert cache.root_node.children == {}
+    assert cache.evictable_size() == 0
+    cache.check_invariants()
+
+
+def test_a_locked_child_keeps_its_parent() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3])
+    cache.insert([1, 2, 4])
+    cache.inc_lock_ref(cache.match_prefix([1, 2, 4]).last_node)
+    assert cache.evict(100) == [3]
+    assert cache.total_size() == 3
+    cache.check_invariants()
+
+
+def test_eviction_frees_whole_nodes() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4, 5])
+    assert cache.evict(1) == [1, 2, 3, 4, 5]
+    assert cache.evict(0) == []
+    assert cache.evict(1) == []  # nothing left: fewer than asked, no error
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"),
+    [
+        # Scenario below: A=[1], B=[2], C=[3] inserted in that order; B matched twice,
+        # then C once, then A twice. Last access: B < C < A. Hits: C=1 < B=2 = A=2, tie
+        # broken by last access (B before A). Creation: A < B < C.
+        ("lru", [[2], [3], [1]]),
+        ("lfu", [[3], [2], [1]]),
+        ("fifo", [[1], [2], [3]]),
+    ],
+)
+def test_eviction_policies_order_leaves_differently(policy: str, order: list) -> None:
+    cache = RadixCache(eviction_policy=policy)
+    for key in ([1], [2], [3]):
+        cache.insert(key)
+    for key in ([2], [2], [3], [1], [1]):
+        cache.match_prefix(key)
+    assert [cache.evict(1) for _ in range(3)] == order
+    cache.check_invariants()
+
+
+# ---------------------------------------------------------------------- request lifecycle
+def start(cache: RadixCache, alloc: TokenToKVPoolAllocator, rid: str, prompt: list[int]) -> Req:
+    """Schedule a request: match (and lock) its prefix, give its other prompt tokens fresh
+    slots (prefill), and sample one output token, which has no KV yet."""
+    req = Req(rid, list(prompt))
+    cache.match_prefix_for_req(req)
+    req.kv_indices += alloc.alloc(len(prompt) - len(req.kv_indices), owner=rid)
+    req.output_ids.append(99)
+    return req
+
+
+def test_match_prefix_for_req_leaves_the_last_token_to_compute() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    cases = [([1, 2, 3, 4], [], 3), ([1, 2, 3, 4, 5], [], 4), ([1, 2], [3, 4], 3), ([1], [], 0)]
+    for prompt, output, expected in cases:
+        req = Req("r", prompt, output_ids=output)
+        assert cache.match_prefix_for_req(req) == [10, 11, 12, 13][:expected]
+        assert req.kv_indices == req.prefix_indices == [10, 11, 12, 13][:expected]
+        assert req.cache_protected_len == expected
+        assert cache.protected_size() == expected
+        cache.dec_lock_ref(req.last_node)
+    assert cache.match_prefix_for_req(Req("empty", [])) == []
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_cache_finished_req_frees_duplicates_and_the_unaligned_tail(page_size: int) -> None:
+    size = 32
+    alloc = TokenToKVPoolAllocator(size, page_size)
+    cache = RadixCache(page_size, token_to_kv_pool_allocator=alloc)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    aligned = len(prompt) // page_size * page_size
+    # Two requests compute the same prompt concurrently (neither finds anything cached).
+    a = start(cache, alloc, "a", prompt)
+    b = start(cache, alloc, "b", prompt)
+    a_slots, b_slots = list(a.kv_indices), list(b.kv_indices)
+    pages = -(-len(prompt) // page_size)
+    assert alloc.available_size() == size - 2 * pages * page_size
+
+    cache.cache_finished_req(a)  # a's aligned part enters the tree; its tail page is freed
+    assert alloc.available_size() == size - aligned - pages * page_size
+    assert cache.match_prefix(prompt).indices == a_slots[:aligned]
+    cache.check_invariants()
+
+    cache.cache_finished_req(b)  # all of b's slots are duplicates or tail: all freed
+    assert alloc.available_size() == size - aligned
+    assert not any(alloc.is_allocated(s) for s in b_slots)
+    assert all(alloc.is_allocated(s) for s in a_slots[:aligned])
+    assert cache.match_prefix(prompt).indices == a_slots[:aligned]
+    assert all(n.lock_ref == 0 for n in nodes(cache)) and cache.protected_size() == 0
+    assert (a.last_node, a.kv_indices) == (None, [])
+    cache.check_invariants()
+
+    # A later request reuses the prefix (at most len - 1 tokens, whole pages).
+    c = start(cache, alloc, "c", prompt + [8])
+    assert c.prefix_indices == a_slots[:aligned]
+    cache.cache_finished_req(c)
+    assert alloc.available_size() == size - len(prompt + [8]) // page_size * page_size
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_cache_unfinished_req_moves_the_lock_and_adopts_the_tree_slots(page_size: int) -> None:
+    size = 32
+    alloc = TokenToKVPoolAllocator(size, page_size)
+    cache = RadixCache(page_size, token_to_kv_pool_allocator=alloc)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    aligned = len(prompt) // page_size * page_size
+    pages = -(-len(prompt) // page_size)
+    a = start(cache, alloc, "a", prompt)
+    b = start(cache, alloc, "b", prompt)
+    a_slots, b_slots = list(a.kv_indices), list(b.kv_indices)
+
+    cache.cache_unfinished_req(a)
+    assert a.kv_indices == a_slots  # nothing was cached before: a keeps its own slots
+    assert a.cache_protected_len == aligned
+    assert cache.protected_size() == aligned and cache.evictable_size() == 0
+    assert alloc.available_size() == size - 2 * pages * page_size
+    cache.check_invariants()
+
+    cache.cache_unfinished_req(b)  # b's aligned part duplicates a's: freed, b adopts a's slots
+    assert b.kv_indices == a_slots[:aligned] + b_slots[aligned:]
+    assert not any(alloc.is_allocated(s) for s in b_slots[:aligned])
+    assert all(alloc.is_allocated(s) for s in b_slots[aligned:])  # private tail kept
+    assert alloc.available_size() == size - 2 * pages * page_size + aligned
+    assert cache.protected_size() == aligned
+    cache.check_invariants()
+
+    cache.cache_finished_req(a)
+    cache.cache_finished_req(b)
+    assert all(n.lock_ref == 0 for n in nodes(cache))
+    assert cache.protected_size() == 0 and cache.evictable_size() == aligned
+    assert alloc.available_size() == size - aligned
+    cache.check_invariants()
+
+
+def test_cache_unfinished_req_after_decode_steps_extends_the_cached_prefix() -> None:
+    alloc = TokenToKVPoolAllocator(16, 2)
+    cache = RadixCache(2, token_to_kv_pool_allocator=alloc)
+    req = start(cache, alloc, "r", [1, 2, 3])  # kv for 3 tokens; sampled 99 has none yet
+    # Decode: feed 99 (its slot completes the private second page), sample 98.
+    req.kv_indices.append(req.kv_indices[-1] + 1)
+    req.output_ids.append(98)
+    cache.cache_unfinished_req(req)
+    assert cache.match_prefix([1, 2, 3, 99, 98]).indices == req.kv_indices[:4]
+    assert req.cache_protected_len == 4 and cache.protected_size() == 4
+    cache.cache_finished_req(req)
+    assert cache.protected_size() == 0 and alloc.available_size() == 16 - 4
+    cache.check_invariants()
+
+
+def test_request_helpers_refuse_a_request_without_a_lock() -> None:
+    cache = RadixCache()
+    with pytest.raises(LockError):
+        cache.cache_finished_req(Req("r", [1, 2]))
+    req = Req("r", [1, 2])
+    cache.match_prefix_for_req(req)
+    req.kv_indices = [5, 6, 7]  # more slots than tokens
+    with pytest.raises(InvalidKeyError):
+        cache.cache_unfinished_req(req)
+    cache.check_invariants()
+
+
+# ---------------------------------------------------------------------- bad input
+def _populated() -> tuple[RadixCache, TokenToKVPoolAllocator]:
+    alloc = TokenToKVPoolAllocator(8)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    cache.insert([1, 2, 3], alloc.alloc(3))
+    cache.insert([1, 2, 4], [0, 1] + alloc.alloc(1))
+    return cache, alloc
+
+
+BAD_CALLS = {
+    "unlock below zero": (LockError, lambda c, a: c.dec_lock_ref(c.match_prefix([1, 2, 3])[1])),
+    "value length differs": (InvalidKeyError, lambda c, a: c.insert([5, 6], [7])),
+    "negative token in insert": (InvalidKeyError, lambda c, a: c.insert([5, -1])),
+    "negative token in match": (InvalidKeyError, lambda c, a: c.match_prefix([1, -2])),
+    "float token": (InvalidKeyError, lambda c, a: c.insert([1, 2.5])),
+    "string token": (InvalidKeyError, lambda c, a: c.match_prefix(["a"])),
+    "None token": (InvalidKeyError, lambda c, a: c.insert([None])),
+    "string key": (InvalidKeyError, lambda c, a: c.insert("abc")),
+    "negative slot": (InvalidKeyError, lambda c, a: c.insert([5, 6], [7, -7])),
+    "slot the tree owns": (InvalidKeyError, lambda c, a: c.insert([5, 6], [6, 0])),
+    "slot twice in one value": (InvalidKeyError, lambda c, a: c.insert([5, 6], [6, 6])),
+    "free an unknown slot": (UnknownBlockError, lambda c, a: a.free([7])),
+    "free an out-of-range slot": (UnknownBlockError, lambda c, a: a.free([8])),
+    "allocate past capacity": (OutOfMemoryError, lambda c, a: a.alloc(5)),
+    "evict(-1)": (InvalidArgumentError, lambda c, a: c.evict(-1)),
+    "evict a float": (InvalidArgumentError, lambda c, a: c.evict(1.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_input_raises_a_typed_error_and_changes_nothing(name: str) -> None:
+    error, call = BAD_CALLS[name]
+    cache, alloc = _populated()
+    before = snapshot(cache), alloc.available_size()
+    with pytest.raises(error):
+        call(cache, alloc)
+    assert (snapshot(cache), alloc.available_size()) == before
+    assert cache.match_prefix([1, 2, 3]).indices == [0, 1, 2]
+    assert cache.match_prefix([1, 2, 4]).indices == [0, 1, 3]
+    cache.check_invariants()
+
+
+def test_insert_rejecting_an_owned_slot_after_a_split_keeps_the_content() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [10, 11, 12])
+    with pytest.raises(InvalidKeyError):
+        cache.insert([1, 2, 9], [20, 21, 12])
+    assert cache.match_prefix([1, 2, 3]).indices == [10, 11, 12]
+    assert cache.match_prefix([1, 2, 9]).indices == [10, 11]
+    assert cache.total_size() == 3 and cache.evictable_size() == 3
+    cache.check_invariants()
+
+
+def test_unknown_policy_and_bad_page_sizes_are_rejected() -> None:
+    with pytest.raises(InvalidArgumentError):
+        RadixCache(eviction_policy="mru")
+    with pytest.raises(InvalidArgumentError):
+        RadixCache(page_size=0)
+    with pytest.raises(InvalidArgumentError):
+        RadixCache(page_size=2, token_to_kv_pool_allocator=TokenToKVPoolAllocator(8, 4))
+
+
+def test_locking_an_evicted_node_raises() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2])
+    node = cache.match_prefix([1, 2]).last_node
+    assert cache.evict(2) == [1, 2]
+    with pytest.raises(LockError):
+        cache.inc_lock_ref(node)
+    with pytest.raises(LockError):
+        cache.dec_lock_ref(node)
+    assert (cache.evictable_size(), cache.protected_size()) == (0, 0)
+    cache.check_invariants()
+
+
+def test_a_failed_unlock_leaves_the_other_locks_alone() -> None:
+    # dec_lock_ref checks the whole path before changing any count.
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4])
+    top = cache.match_prefix([1, 2]).last_node
+    leaf = cache.match_prefix([1, 2, 3, 4]).last_node
+    cache.inc_lock_ref(top)
+    with pytest.raises(LockError):
+        cache.dec_lock_ref(leaf)
+    assert (top.lock_ref, leaf.lock_ref) == (1, 0)
+    assert cache.protected_size() == 2
+    cache.check_invariants()
+
+
+def test_check_invariants_detects_corruption() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3])
+    cache.evictable_size_ += 1
+    with pytest.raises(InvariantError):
+        cache.check_invariants()
+
+
+def test_format_tree_and_to_dot_show_every_node() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3])
+    cache.insert([1, 2, 4])
+    cache.inc_lock_ref(cache.match_prefix([1, 2, 4]).last_node)
+    text = cache.format_tree()
+    assert text.splitlines()[0] == "root  #tokens=4"
+    assert len(text.splitlines()) == 1 + 3
+    assert "lock_ref=1 [1, 2]" in text
+    dot = cache.to_dot().source
+    assert dot.count("->") == 3
