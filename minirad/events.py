@@ -68,6 +68,10 @@ class Event:
             d[f.name] = list(v) if isinstance(v, tuple) else v
         return d
 
+    def describe(self) -> str:
+        """One line saying what happened, for captions and printouts."""
+        return self.kind
+
 
 @dataclass(frozen=True, slots=True)
 class MatchEvent(Event):
@@ -78,6 +82,9 @@ class MatchEvent(Event):
     num_tokens: int  # tokens matched (cache hits)
     query_len: int  # tokens looked up, after page alignment
     extra_key: str | None = None
+
+    def describe(self) -> str:
+        return f"match: {self.num_tokens} of {self.query_len} tokens cached, path {list(self.path)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +104,14 @@ class InsertEvent(Event):
     value: tuple[int, ...] = ()
     extra_key: str | None = None
 
+    def describe(self) -> str:
+        if self.node_id is None:
+            return f"insert: all {self.prefix_len} tokens already cached"
+        return (
+            f"insert: {self.prefix_len} tokens cached, new node {self.node_id} "
+            f"({len(self.key)} tokens) under node {self.parent_id}"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class SplitEvent(Event):
@@ -111,6 +126,12 @@ class SplitEvent(Event):
     new_node_id: int
     split_len: int
 
+    def describe(self) -> str:
+        return (
+            f"split node {self.node_id} at token {self.split_len}: "
+            f"the rest is node {self.new_node_id}"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class LockEvent(Event):
@@ -121,6 +142,9 @@ class LockEvent(Event):
     node_ids: tuple[int, ...]
     lock_refs: tuple[int, ...]
 
+    def describe(self) -> str:
+        return f"lock nodes {list(self.node_ids)}: lock_ref {list(self.lock_refs)}"
+
 
 @dataclass(frozen=True, slots=True)
 class UnlockEvent(Event):
@@ -129,6 +153,9 @@ class UnlockEvent(Event):
     kind: ClassVar[str] = "unlock"
     node_ids: tuple[int, ...]
     lock_refs: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"unlock nodes {list(self.node_ids)}: lock_ref {list(self.lock_refs)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +167,9 @@ class EvictEvent(Event):
     num_tokens: int
     value: tuple[int, ...] = ()
 
+    def describe(self) -> str:
+        return f"evicted node {self.node_id}: {self.num_tokens} tokens"
+
 
 @dataclass(frozen=True, slots=True)
 class ResetEvent(Event):
@@ -147,6 +177,9 @@ class ResetEvent(Event):
 
     kind: ClassVar[str] = "reset"
     source: str = ""
+
+    def describe(self) -> str:
+        return f"reset {self.source}".strip()
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +192,10 @@ class AllocEvent(Event):
     ids: tuple[int, ...]
     owner: str | None = None
 
+    def describe(self) -> str:
+        owner = f" to {self.owner}" if self.owner else ""
+        return f"{self.pool}: allocated {len(self.ids)} {self.unit}s{owner}"
+
 
 @dataclass(frozen=True, slots=True)
 class FreeEvent(Event):
@@ -168,6 +205,9 @@ class FreeEvent(Event):
     pool: str
     unit: str
     ids: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.pool}: freed {len(self.ids)} {self.unit}s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +219,9 @@ class TouchEvent(Event):
     ids: tuple[int, ...]
     ref_cnts: tuple[int, ...]
 
+    def describe(self) -> str:
+        return f"{self.pool}: reused blocks {list(self.ids)}, ref_cnt {list(self.ref_cnts)}"
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStoredEvent(Event):
@@ -189,6 +232,9 @@ class BlockStoredEvent(Event):
     ids: tuple[int, ...]
     block_hashes: tuple[str, ...]  # hex digests
 
+    def describe(self) -> str:
+        return f"{self.pool}: cached blocks {list(self.ids)} by hash"
+
 
 @dataclass(frozen=True, slots=True)
 class BlockRemovedEvent(Event):
@@ -197,6 +243,9 @@ class BlockRemovedEvent(Event):
     kind: ClassVar[str] = "block_removed"
     pool: str
     ids: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.pool}: dropped the hashes of reused blocks {list(self.ids)}"
 
 
 _EVENT_TYPES: dict[str, type[Event]] = {

@@ -210,6 +210,7 @@ class RadixCache:
         self.evictable_size_ = 0
         self.protected_size_ = 0
         self.evictable_leaves: set[TreeNode] = set()
+        self._next_sim_slot = 0  # slots handed out by insert(value=None)
         self._slots: set[int] = set()  # every slot the tree owns, to reject double ownership
         self.queries = 0  # tokens looked up by match_prefix
         self.hits = 0  # tokens found by match_prefix
@@ -336,7 +337,9 @@ class RadixCache:
 
         Args:
             key: token ids.
-            value: one KV slot per token; None uses the token ids themselves (handy in tests).
+            value: one KV slot per token. None (only without an allocator) gives the new tokens
+                fresh simulated slot numbers 0, 1, 2...; SGLang uses the token ids themselves,
+                which would let a repeated token own one slot twice.
             extra_key: namespace, as in :meth:`match_prefix`.
 
         Returns:
@@ -344,35 +347,49 @@ class RadixCache:
 
         Raises:
             InvalidKeyError: bad token ids or slots, ``len(value) != len(key)``, or new slots
-                that the tree already owns (the tree is unchanged).
+                that the tree already owns (checked before anything changes).
         """
         key = _check_tokens("key", key)
-        value = list(key) if value is None else _check_tokens("value", value)
+        simulated = value is None
+        if simulated and self.token_to_kv_pool_allocator is not None:
+            raise InvalidArgumentError(
+                "insert needs the slots (value) when the cache has an allocator"
+            )
+        value = [-1] * len(key) if simulated else _check_tokens("value", value)
         if len(value) != len(key):
             raise InvalidKeyError(f"value has {len(value)} slots for {len(key)} tokens")
         key = self._aligned(key)
         value = value[: len(key)]
-        t = self.bus.tick()
-        node = self.root_node
-        node.last_access_time = t
-        path: list[int] = []
-        i = 0
+        # Walk first without changing anything, so bad slots are rejected before any split.
+        walked: list[TreeNode] = []
+        node, i, cut = self.root_node, 0, 0
         while i < len(key):
             child = node.children.get(self._child_key(key, i, extra_key))
             if child is None:
                 break
-            child.last_access_time = t
             m = self._match_len(child.key, key, i)
-            if m < len(child.key):
-                child = self._split_node(child, m, t)
-            path.append(child.id)
-            node = child
-            i += m
-        leaf = None
+            walked.append(child)
+            node, i = child, i + m
+            if m < len(child.key):  # the key leaves (or ends inside) this edge
+                cut = m
+                break
         if i < len(key):
+            if simulated:
+                value[i:] = range(self._next_sim_slot, self._next_sim_slot + len(key) - i)
+                self._next_sim_slot += len(key) - i
             new_value = value[i:]
             if not self._slots.isdisjoint(new_value) or len(set(new_value)) != len(new_value):
                 raise InvalidKeyError("insert would give the tree a slot it already owns")
+        t = self.bus.tick()
+        self.root_node.last_access_time = t
+        for n in walked:
+            n.last_access_time = t
+        if cut:
+            node = self._split_node(node, cut, t)
+            walked[-1] = node
+        path = [n.id for n in walked]
+        leaf = None
+        if i < len(key):
             leaf = self._new_node(key[i:], new_value, node, t, extra_key)
             node.children[self._child_key(key, i, extra_key)] = leaf
             self.evictable_size_ += len(new_value)

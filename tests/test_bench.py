@@ -126,7 +126,8 @@ def test_benchmark_baselines_and_invariants(trace, page_size):
         assert r.prompt_tokens == trace.prompt_tokens
         assert r.requests == len(trace.requests)
         _assert_clean_final_state(r)
-    for r in bench.policies.values():
+    for name, r in bench.policies.items():
+        assert r.cache.eviction_policy.name == name
         assert bench.infinite.hit_rate >= r.hit_rate >= 0.0
         assert r.evicted_tokens > 0
         assert r.evicted_tokens % page_size == 0

@@ -80,7 +80,7 @@ def test_free_queue_remove_is_constant_time() -> None:
     q.remove(target)
     assert blocks[499].next_free_block is blocks[501]
     assert blocks[501].prev_free_block is blocks[499]
-    for b, (p, n) in zip(blocks, saved):
+    for b, (p, n) in zip(blocks, saved, strict=True):
         if b not in (target, blocks[499], blocks[501]):
             b.prev_free_block, b.next_free_block = p, n
     assert len(q.get_all_free_blocks()) == 999 == len(q)

@@ -81,21 +81,24 @@ def wrong_answers(right):
 
 @pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
 def test_right_answer_passes(exercise, oracle, capsys):
-    assert exercise.check(oracle()) is True
-    assert capsys.readouterr().out.strip().endswith("correct!")
+    assert exercise.is_correct(oracle())
+    exercise.check(oracle())
+    assert capsys.readouterr().out == f"[{exercise.name}] correct!\n"
 
 
 @pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
 def test_wrong_answers_fail(exercise, oracle, capsys):
     for wrong in wrong_answers(oracle()):
-        assert exercise.check(wrong) is False, wrong
-        assert "incorrect" in capsys.readouterr().out
+        assert not exercise.is_correct(wrong), wrong
+        exercise.check(wrong)
+        assert capsys.readouterr().out.startswith(f"[{exercise.name}] incorrect: "), wrong
 
 
 @pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
 def test_untouched_stub_is_not_attempted(exercise, oracle, capsys):
-    assert exercise.check(...) is False
-    assert "not attempted" in capsys.readouterr().out
+    assert not exercise.is_correct(...)
+    exercise.check(...)
+    assert capsys.readouterr().out.startswith(f"[{exercise.name}] not attempted")
 
 
 @pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
@@ -106,7 +109,7 @@ def test_solution_states_and_computes_the_answer(exercise, oracle, capsys):
     assert prose.startswith(f"{oracle()}:"), prose
     namespace = {"RadixCache": RadixCache, **vars(ch01)}
     exec(code, namespace)
-    assert exercise.check(namespace["answer"]) is True
+    assert exercise.is_correct(namespace["answer"])
 
 
 @pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)

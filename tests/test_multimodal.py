@@ -129,7 +129,7 @@ def test_block_cache_shares_only_the_blocks_before_the_image() -> None:
     hashes_b = mgr.block_hashes(BLOCK_PROMPT, [item_b])
     # Block 0 (tokens 0..3) is text only; block 1 holds the first image token (6).
     assert hashes_a[0] == hashes_b[0]
-    assert all(x != y for x, y in zip(hashes_a[1:], hashes_b[1:]))
+    assert all(x != y for x, y in zip(hashes_a[1:], hashes_b[1:], strict=True))
     hits, n = mgr.get_computed_blocks(BLOCK_PROMPT, [item_b])
     assert n == BLOCK and hits == mgr.req_to_blocks["a"][:1]
     assert mgr.allocate_slots("b", BLOCK_PROMPT, len(BLOCK_PROMPT) - n, hits, [item_b])

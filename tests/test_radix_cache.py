@@ -61,9 +61,9 @@ def test_match_returns_deepest_node_and_locking_it_spares_only_that_path() -> No
 
 def test_match_ending_inside_an_edge_splits_it() -> None:
     cache = RadixCache()
-    cache.insert([1, 2, 3, 4, 5, 6])
+    cache.insert([1, 2, 3, 4, 5, 6], [10, 20, 30, 40, 50, 60])
     indices, last = cache.match_prefix([1, 2, 3, 9])
-    assert indices == [1, 2, 3]
+    assert indices == [10, 20, 30]
     assert last.key == [1, 2, 3]
     assert [c.key for c in last.children.values()] == [[4, 5, 6]]
     cache.inc_lock_ref(last)
@@ -74,17 +74,17 @@ def test_match_ending_inside_an_edge_splits_it() -> None:
 
 def test_page_size_2_matches_and_stores_whole_pages_only() -> None:
     cache = RadixCache(page_size=2)
-    cache.insert([1, 2, 3, 4])
-    assert cache.match_prefix([1, 2, 3, 9]).indices == [1, 2]
+    cache.insert([1, 2, 3, 4], [10, 20, 30, 40])
+    assert cache.match_prefix([1, 2, 3, 9]).indices == [10, 20]
     before = len(nodes(cache))
     indices, last = cache.match_prefix([1])
     assert indices == [] and last is cache.root_node
     assert len(nodes(cache)) == before
     # Odd lengths are cut to whole pages; a key that differs inside its first page shares
     # nothing with [1, 2, ...].
-    assert cache.insert([1, 2, 3, 4, 5]) == 4
-    assert cache.insert([1, 3, 3], [20, 21, 22]) == 0
-    assert cache.insert([1, 2, 7, 8, 9], [1, 2, 30, 31, 32]) == 2
+    assert cache.insert([1, 2, 3, 4, 5], [10, 20, 30, 40, 50]) == 4
+    assert cache.insert([1, 3, 3], [11, 31, 32]) == 0
+    assert cache.insert([1, 2, 7, 8, 9], [10, 20, 70, 80, 90]) == 2
     assert all(len(n.key) % 2 == 0 and len(n.value) == len(n.key) for n in nodes(cache))
     assert cache.total_size() == 4 + 2 + 2  # [1,2,3,4], [1,3], [7,8]
     cache.check_invariants()
@@ -92,9 +92,9 @@ def test_page_size_2_matches_and_stores_whole_pages_only() -> None:
 
 def test_lock_pins_leaf_and_every_ancestor_and_unlock_returns_to_zero() -> None:
     cache = RadixCache()
-    cache.insert([1, 2, 3])
-    cache.insert([1, 2, 4, 5])
-    cache.insert([7])
+    cache.insert([1, 2, 3], [10, 20, 30])
+    cache.insert([1, 2, 4, 5], [10, 20, 40, 50])
+    cache.insert([7], [70])
     leaf = cache.match_prefix([1, 2, 4, 5]).last_node
     path = []
     n = leaf
@@ -107,7 +107,7 @@ def test_lock_pins_leaf_and_every_ancestor_and_unlock_returns_to_zero() -> None:
     assert [p.lock_ref for p in path] == [2, 2]
     assert (cache.protected_size(), cache.evictable_size()) == (4, 2)
     # Everything not on the path can go; the path cannot.
-    assert sorted(cache.evict(100)) == [3, 7]
+    assert sorted(cache.evict(100)) == [30, 70]
     cache.check_invariants()
     assert cache.dec_lock_ref(leaf) == 0
     assert cache.dec_lock_ref(leaf) == 4
@@ -183,6 +183,18 @@ def test_split_keeps_the_id_on_the_prefix_and_a_request_holding_the_suffix_can_u
     cache.check_invariants()
 
 
+def test_insert_without_slots_gives_fresh_simulated_slots() -> None:
+    cache = RadixCache()
+    assert cache.insert([5, 5, 5]) == 0  # a repeated token still gets distinct slots
+    assert cache.insert([5, 5, 6, 6]) == 2
+    slots = cache.all_values_flatten()
+    assert len(slots) == len(set(slots)) == 5
+    assert cache.match_prefix([5, 5, 5]).indices == cache.match_prefix([5, 5, 5]).indices
+    cache.check_invariants()
+    with pytest.raises(InvalidArgumentError):  # with an allocator the caller owns the slots
+        RadixCache(token_to_kv_pool_allocator=TokenToKVPoolAllocator(8)).insert([1])
+
+
 def test_hit_counters_count_tokens() -> None:
     cache = RadixCache()
     cache.insert([1, 2, 3])
@@ -213,9 +225,9 @@ def test_reset_frees_every_slot_and_refuses_while_locked() -> None:
 # ---------------------------------------------------------------------- eviction
 def test_cascading_eviction_takes_a_parent_that_becomes_an_unlocked_leaf() -> None:
     cache = RadixCache()
-    cache.insert([1, 2])
-    cache.insert([1, 2, 3])
-    assert cache.evict(3) == [3, 1, 2]
+    cache.insert([1, 2], [10, 20])
+    cache.insert([1, 2, 3], [10, 20, 30])
+    assert cache.evict(3) == [30, 10, 20]
     assert cache.root_node.children == {}
     assert cache.evictable_size() == 0
     cache.check_invariants()
@@ -223,18 +235,18 @@ def test_cascading_eviction_takes_a_parent_that_becomes_an_unlocked_leaf() -> No
 
 def test_a_locked_child_keeps_its_parent() -> None:
     cache = RadixCache()
-    cache.insert([1, 2, 3])
-    cache.insert([1, 2, 4])
+    cache.insert([1, 2, 3], [10, 20, 30])
+    cache.insert([1, 2, 4], [10, 20, 40])
     cache.inc_lock_ref(cache.match_prefix([1, 2, 4]).last_node)
-    assert cache.evict(100) == [3]
+    assert cache.evict(100) == [30]
     assert cache.total_size() == 3
     cache.check_invariants()
 
 
 def test_eviction_frees_whole_nodes() -> None:
     cache = RadixCache()
-    cache.insert([1, 2, 3, 4, 5])
-    assert cache.evict(1) == [1, 2, 3, 4, 5]
+    cache.insert([1, 2, 3, 4, 5], [10, 20, 30, 40, 50])
+    assert cache.evict(1) == [10, 20, 30, 40, 50]
     assert cache.evict(0) == []
     assert cache.evict(1) == []  # nothing left: fewer than asked, no error
     cache.check_invariants()
@@ -246,15 +258,15 @@ def test_eviction_frees_whole_nodes() -> None:
         # Scenario below: A=[1], B=[2], C=[3] inserted in that order; B matched twice,
         # then C once, then A twice. Last access: B < C < A. Hits: C=1 < B=2 = A=2, tie
         # broken by last access (B before A). Creation: A < B < C.
-        ("lru", [[2], [3], [1]]),
-        ("lfu", [[3], [2], [1]]),
-        ("fifo", [[1], [2], [3]]),
+        ("lru", [[20], [30], [10]]),
+        ("lfu", [[30], [20], [10]]),
+        ("fifo", [[10], [20], [30]]),
     ],
 )
 def test_eviction_policies_order_leaves_differently(policy: str, order: list) -> None:
     cache = RadixCache(eviction_policy=policy)
-    for key in ([1], [2], [3]):
-        cache.insert(key)
+    for token in (1, 2, 3):
+        cache.insert([token], [10 * token])
     for key in ([2], [2], [3], [1], [1]):
         cache.match_prefix(key)
     assert [cache.evict(1) for _ in range(3)] == order
@@ -427,11 +439,13 @@ def test_bad_input_raises_a_typed_error_and_changes_nothing(name: str) -> None:
     cache.check_invariants()
 
 
-def test_insert_rejecting_an_owned_slot_after_a_split_keeps_the_content() -> None:
+def test_insert_rejects_an_owned_slot_before_splitting() -> None:
     cache = RadixCache()
     cache.insert([1, 2, 3], [10, 11, 12])
+    before = snapshot(cache)
     with pytest.raises(InvalidKeyError):
-        cache.insert([1, 2, 9], [20, 21, 12])
+        cache.insert([1, 2, 9], [20, 21, 12])  # would split [1, 2, 3], then own 12 twice
+    assert snapshot(cache) == before
     assert cache.match_prefix([1, 2, 3]).indices == [10, 11, 12]
     assert cache.match_prefix([1, 2, 9]).indices == [10, 11]
     assert cache.total_size() == 3 and cache.evictable_size() == 3
@@ -449,9 +463,9 @@ def test_unknown_policy_and_bad_page_sizes_are_rejected() -> None:
 
 def test_locking_an_evicted_node_raises() -> None:
     cache = RadixCache()
-    cache.insert([1, 2])
+    cache.insert([1, 2], [10, 20])
     node = cache.match_prefix([1, 2]).last_node
-    assert cache.evict(2) == [1, 2]
+    assert cache.evict(2) == [10, 20]
     with pytest.raises(LockError):
         cache.inc_lock_ref(node)
     with pytest.raises(LockError):

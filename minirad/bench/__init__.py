@@ -26,13 +26,18 @@ _COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m minirad.bench`` parser with one subcommand per benchmark."""
     parser = argparse.ArgumentParser(
-        prog="python -m minirad.bench", description=__doc__.split("\n")[0]
+        prog="python -m minirad.bench", description="minirad benchmarks"
     )
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{" + ",".join(_COMMANDS) + "}"
     )
     for name, (module, help_) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(
+            name,
+            help=help_,
+            description=help_,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
         module.add_arguments(p)
         p.set_defaults(run=module.run_cli)
     return parser

@@ -1,13 +1,13 @@
 """Radix-cache benchmark: replay a multi-turn chat trace through :class:`RadixCache`.
 
-Every request goes through the cache exactly as SGLang's scheduler drives it
-(``python/sglang/srt/managers/scheduler.py`` and ``schedule_policy.py``):
+Every request goes through the cache as SGLang's scheduler drives it:
 
 1. **start**: :meth:`RadixCache.match_prefix_for_req` finds and locks the cached prefix;
    the uncached rest of the prompt and the decoded tokens get private slots from the
    :class:`TokenToKVPoolAllocator`, and when it is short, :meth:`RadixCache.evict` frees
-   unlocked leaves first (the scheduler's ``evict`` before ``alloc``). Slots for all decode
-   steps are taken at admission, as a scheduler that reserves ``max_new_tokens`` would.
+   unlocked leaves first (SGLang's ``evict_from_tree_cache`` before ``alloc``,
+   ``python/sglang/srt/mem_cache/common.py``). Slots for all decode steps are taken at
+   admission, as a scheduler that reserves ``max_new_tokens`` would.
 2. **finish**: :meth:`RadixCache.cache_finished_req` inserts prompt + output (all but the
    last sampled token, which has no KV), frees the duplicate slots and releases the lock.
 
@@ -18,6 +18,15 @@ stepping through its timeline are not counted.
 In the same process, on the same trace, the benchmark also replays the baselines: no cache
 (every prompt token is prefilled; only the allocator runs), each eviction policy at the given
 capacity, and a cache large enough never to evict (the upper bound on the hit rate).
+
+Reading the results. On multi-turn chat, ``lru`` and ``fifo`` evict the same tokens: an
+unlocked leaf is always the tail of an idle conversation, and the insert that created it (when
+the conversation's last turn finished) also touched its whole path, so "least recently used"
+and "oldest" both mean "the conversation idle the longest", whose nodes then go leaf by leaf.
+``lfu`` does worse here: every tail has ``hit_count`` 0 (it has never been matched) while
+the prefixes above it have been hit, so lfu strips the latest turn off *every* idle
+conversation, including those that just answered and are likeliest to come back, before it
+drops any older prefix.
 """
 
 from __future__ import annotations
@@ -285,8 +294,8 @@ def format_report(bench: RadixBenchmark) -> str:
         )
     lines += [
         f"cache-op throughput ({head.label}): {head.tokens_per_s:,.0f} prompt tokens/s, "
-        f"{head.requests_per_s:,.0f} requests/s over {head.cache_seconds:.2f} s of "
-        "match + lock + evict + alloc + insert + unlock + free",
+        f"{head.requests_per_s:,.0f} requests/s",
+        f"  ({head.cache_seconds:.2f} s of match + lock + evict + alloc + insert + unlock + free)",
         "(* = --policy; tokens/s = prompt tokens per second of cache-op time; "
         "'no cache' times the allocator alone)",
     ]
@@ -295,20 +304,18 @@ def format_report(bench: RadixBenchmark) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``radix`` subcommand's options."""
-    parser.add_argument("--conversations", type=int, default=2000, help="conversations")
+    parser.add_argument("--conversations", type=int, default=2000, help="number of conversations")
     parser.add_argument("--turns", type=int, default=4, help="mean turns per conversation")
-    parser.add_argument("--seed", type=int, default=0, help="trace seed")
-    parser.add_argument(
-        "--capacity", type=int, default=262144, help="KV pool size in tokens (default 262144)"
-    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    parser.add_argument("--capacity", type=int, default=262144, help="KV pool size in tokens")
     parser.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     parser.add_argument(
         "--policy",
         default="lru",
         choices=sorted(POLICIES),
-        help="headline eviction policy (all are run for comparison)",
+        help="headline eviction policy; every policy is run for comparison",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -30,20 +30,29 @@ class Exercise:
     ) -> None:
         self.name, self._checker, self._hint, self._solution = name, checker, hint, solution
 
-    def check(self, answer: object = ...) -> bool:
-        """Print whether ``answer`` is right; return True only when it is."""
+    def problem(self, answer: object) -> str | None:
+        """What is wrong with ``answer`` (None when it is right), without printing."""
+        if answer is ...:
+            return "not attempted"
+        try:
+            return self._checker(answer)
+        except Exception as e:  # a wrong answer may well crash the checker
+            return f"{type(e).__name__}: {e}"
+
+    def is_correct(self, answer: object) -> bool:
+        """True when ``answer`` is right (silent; for tests)."""
+        return self.problem(answer) is None
+
+    def check(self, answer: object = ...) -> None:
+        """Print whether ``answer`` is right, not attempted, or wrong and why."""
         if answer is ...:
             print(f"[{self.name}] not attempted: replace the ... with your answer, then run again.")
-            return False
-        try:
-            problem = self._checker(answer)
-        except Exception as e:  # a wrong answer may well crash the checker
-            problem = f"{type(e).__name__}: {e}"
+            return
+        problem = self.problem(answer)
         if problem is None:
             print(f"[{self.name}] correct!")
-            return True
-        print(f"[{self.name}] incorrect: {problem}")
-        return False
+        else:
+            print(f"[{self.name}] incorrect: {problem}")
 
     def hint(self) -> None:
         print(f"[{self.name}] hint: {self._hint}")

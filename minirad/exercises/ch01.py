@@ -13,8 +13,8 @@ Usage in the notebook::
 
 from __future__ import annotations
 
-from minirad.exercises import Exercise
-from minirad.radix_cache import RadixCache, TreeNode
+from ..radix_cache import RadixCache, TreeNode
+from . import Exercise
 
 __all__ = [
     "Q1_INSERTS",
@@ -62,7 +62,7 @@ def q1_expected() -> int:
 
 
 q1 = Exercise(
-    "q1 matched length",
+    "01.1 matched length",
     lambda a: _check_int(a, q1_expected(), "tokens"),
     hint="Walk the query down from the root; stop at the first token that no edge continues with.",
     solution=(
@@ -94,7 +94,7 @@ def q2_expected() -> int:
 
 
 q2 = Exercise(
-    "q2 node count",
+    "01.2 node count",
     lambda a: _check_int(a, q2_expected(), "nodes"),
     hint=(
         "Draw the tree after every insert. An insert that leaves an edge midway splits it "
@@ -142,7 +142,7 @@ def _check_q3(answer: object) -> str | None:
 
 
 q3 = Exercise(
-    "q3 slots of a mid-edge match",
+    "01.3 slots of a mid-edge match",
     _check_q3,
     hint=(
         "insert() keeps the slots the tree already has for the cached prefix; only the new "
@@ -188,7 +188,7 @@ def _check_q4(answer: object) -> str | None:
 
 
 q4 = Exercise(
-    "q4 page_size 2",
+    "01.4 page_size 2",
     _check_q4,
     hint="Both insert and match_prefix cut keys to whole pages, and a match is rounded down "
     "to a whole page.",
@@ -218,7 +218,7 @@ def q5_expected() -> int:
 
 
 q5 = Exercise(
-    "q5 node id after a split",
+    "01.5 node id after a split",
     lambda a: _check_int(a, q5_expected(), "a node id"),
     hint=(
         "Ids are handed out in creation order, starting with the root at 0. In minirad a "

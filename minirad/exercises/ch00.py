@@ -1,0 +1,68 @@
+"""Exercises of chapter 00 (the tour). Answers are computed by replaying the tour's requests."""
+
+from __future__ import annotations
+
+from ..radix_cache import RadixCache, Req
+from ..tokenizer import load_tokenizer
+from . import Exercise
+
+__all__ = ["q1", "q2"]
+
+_SYSTEM = "You are a helpful assistant. "
+_CHATS = (
+    _SYSTEM + "User: Hello! Assistant: Hi! How can I help you today?",
+    _SYSTEM + "User: What can you do? Assistant: I can answer questions.",
+)
+_THIRD = _SYSTEM + "User: Hello! Assistant: Bye"
+
+
+def _tour_cache() -> tuple[RadixCache, list[int]]:
+    """The tour's cache after both chats, and how many tokens each chat reused."""
+    tok = load_tokenizer()
+    cache = RadixCache()
+    reused = []
+    for i, text in enumerate(_CHATS):
+        ids = tok.encode(text)
+        req = Req(f"chat-{i + 1}", ids)
+        reused.append(len(cache.match_prefix_for_req(req)))
+        req.kv_indices += [10_000 * (i + 1) + j for j in range(len(ids) - reused[-1])]
+        cache.cache_finished_req(req)
+    return cache, reused
+
+
+def _check_q1(answer: object) -> str | None:
+    expected = _tour_cache()[1][1]
+    if answer != expected:
+        return (
+            f"{answer!r} is not what chat-2's match returned; look at the line printed for chat-2"
+        )
+    return None
+
+
+def _check_q2(answer: object) -> str | None:
+    cache, _ = _tour_cache()
+    _, node = cache.match_prefix(load_tokenizer().encode(_THIRD))
+    path = []
+    while node is not cache.root_node:
+        path.append(node.id)
+        node = node.parent
+    expected = path[::-1]
+    if list(answer) != expected:
+        return f"the match walks {len(expected)} node(s); {list(answer)!r} is not that path"
+    return None
+
+
+q1 = Exercise(
+    "00.1 tokens reused",
+    _check_q1,
+    hint="serve() prints, for each request, how many prompt tokens came from the cache.",
+    solution="The number printed as 'reused' for chat-2: its shared system prompt tokens.",
+)
+q2 = Exercise(
+    "00.2 the matched path",
+    _check_q2,
+    hint="The third chat shares the system prompt with both chats and 'User: Hello! Assistant:' "
+    "with chat-1 only; where does it leave chat-1's edge?",
+    solution="The system-prompt node, then chat-1's node (the match splits it, and the prefix "
+    "keeps the id). Check with cache.match_prefix(tok.encode(third)) and walk .parent.",
+)
