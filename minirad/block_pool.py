@@ -189,6 +189,7 @@ class BlockPool:
             raise OutOfMemoryError(
                 f"need {num_blocks} blocks, only {self.get_num_free_blocks()} free"
             )
+        self.bus.tick()
         blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
         evicted = [b for b in blocks if b.block_hash is not None]
         for b in evicted:
@@ -207,6 +208,7 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix hit reuses ``blocks``: take free ones out of the free queue (so they
         cannot be evicted while in use) and add one reference to each."""
+        self.bus.tick()
         for b in blocks:
             if b.ref_cnt == 0:
                 self.free_block_queue.remove(b)
@@ -239,6 +241,7 @@ class BlockPool:
                     f"block {b.block_id} has ref_cnt {b.ref_cnt}, cannot free it "
                     f"{counts[b.block_id]} time(s)"
                 )
+        self.bus.tick()
         released = []
         for b in ordered_blocks:
             b.ref_cnt -= 1
@@ -260,6 +263,7 @@ class BlockPool:
         """
         if not self.enable_caching:
             return
+        self.bus.tick()
         stored = []
         for b, h in zip(blocks, block_hashes, strict=True):
             if b.block_hash is not None or h in self.cached_block_hash_to_block:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import graphviz
+import numpy as np
 
 from .errors import InvalidArgumentError, InvalidKeyError, InvariantError, LockError
 from .events import (
@@ -158,12 +159,15 @@ def _check_tokens(name: str, ids: Sequence[int]) -> list[int]:
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     try:
-        arr = array("q", ids)  # C-speed type check: floats, strings, None are rejected
+        # An unsigned C array type-checks every element at C speed: floats, strings and
+        # None raise TypeError, negative ids OverflowError. A list is returned as is (the
+        # tree only ever stores slices, never the caller's list).
+        checked = array("Q", ids)
+        return ids if type(ids) is list else checked.tolist()
     except (TypeError, OverflowError):
-        raise InvalidKeyError(f"{name} must be a sequence of non-negative ints") from None
-    if arr and min(arr) < 0:
-        raise InvalidKeyError(f"{name} must be non-negative ints, got {min(arr)}")
-    return arr.tolist()
+        pass
+    bad = next((t for t in ids if type(t) is not int or t < 0), ids)
+    raise InvalidKeyError(f"{name} must be non-negative ints, got {bad!r}") from None
 
 
 class RadixCache:
@@ -211,7 +215,12 @@ class RadixCache:
         self.protected_size_ = 0
         self.evictable_leaves: set[TreeNode] = set()
         self._next_sim_slot = 0  # slots handed out by insert(value=None)
-        self._slots: set[int] = set()  # every slot the tree owns, to reject double ownership
+        # owned[slot] is True while a node holds that slot: rejects giving a slot to the tree
+        # twice. A numpy mask, not a set: it is updated for every inserted and evicted token.
+        self._owned = np.zeros(
+            self.token_to_kv_pool_allocator.size if self.token_to_kv_pool_allocator else 0,
+            dtype=bool,
+        )
         self.queries = 0  # tokens looked up by match_prefix
         self.hits = 0  # tokens found by match_prefix
 
@@ -378,8 +387,12 @@ class RadixCache:
                 value[i:] = range(self._next_sim_slot, self._next_sim_slot + len(key) - i)
                 self._next_sim_slot += len(key) - i
             new_value = value[i:]
-            if not self._slots.isdisjoint(new_value) or len(set(new_value)) != len(new_value):
+            new_idx = np.array(new_value, dtype=np.int64)
+            self._grow_owned(int(new_idx.max()) + 1)
+            if self._owned[new_idx].any() or len(set(new_value)) != len(new_value):
                 raise InvalidKeyError("insert would give the tree a slot it already owns")
+            if self.page_size > 1 and not simulated:
+                self._check_whole_pages(new_value)
         t = self.bus.tick()
         self.root_node.last_access_time = t
         for n in walked:
@@ -393,7 +406,7 @@ class RadixCache:
             leaf = self._new_node(key[i:], new_value, node, t, extra_key)
             node.children[self._child_key(key, i, extra_key)] = leaf
             self.evictable_size_ += len(new_value)
-            self._slots.update(new_value)
+            self._owned[new_idx] = True
             self.evictable_leaves.discard(node)
             self.evictable_leaves.add(leaf)
         if self.bus.active:
@@ -410,6 +423,23 @@ class RadixCache:
                 )
             )
         return i
+
+    def _grow_owned(self, size: int) -> None:
+        if size > len(self._owned):  # only without an allocator: slot ids are unbounded
+            grown = np.zeros(max(size, 2 * len(self._owned)), dtype=bool)
+            grown[: len(self._owned)] = self._owned
+            self._owned = grown
+
+    def _check_whole_pages(self, slots: list[int]) -> None:
+        """Each page of tokens must sit in one whole KV page, in order: evicting a node frees
+        whole pages, which must not belong to anyone else."""
+        ps = self.page_size
+        for start in range(0, len(slots), ps):
+            first = slots[start]
+            if first % ps or slots[start : start + ps] != list(range(first, first + ps)):
+                raise InvalidKeyError(
+                    f"slots {slots[start : start + ps]} are not one whole page of size {ps}"
+                )
 
     # ------------------------------------------------------------------ eviction
     def evict(self, num_tokens: int) -> list[int]:
@@ -429,7 +459,7 @@ class RadixCache:
             raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         t = self.bus.tick()
         priority = self.eviction_policy.priority
-        heap = [(priority(n), n) for n in self.evictable_leaves]
+        heap = list(zip(map(priority, self.evictable_leaves), self.evictable_leaves, strict=True))
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_tokens and heap:
@@ -450,7 +480,7 @@ class RadixCache:
         del parent.children[self._child_key(node.key, 0, node.extra_key)]
         node.parent = None
         self.evictable_size_ -= len(node.key)
-        self._slots.difference_update(node.value)
+        self._owned[node.value] = False
         self.evictable_leaves.discard(node)
         if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
             self.evictable_leaves.add(parent)
@@ -684,6 +714,7 @@ class RadixCache:
         def fail(msg: str) -> None:
             raise InvariantError(msg)
 
+        alloc = self.token_to_kv_pool_allocator
         root = self.root_node
         if root.lock_ref != 1 or root.key or root.value or root.parent is not None:
             fail("root must have lock_ref 1, an empty key/value and no parent")
@@ -707,6 +738,11 @@ class RadixCache:
                     fail(f"node {child.id}: key/value lengths {len(child.key)}/{len(child.value)}")
                 if len(child.key) % self.page_size:
                     fail(f"node {child.id}: key length {len(child.key)} is not whole pages")
+                if self.page_size > 1:
+                    try:
+                        self._check_whole_pages(child.value)
+                    except InvalidKeyError as e:
+                        fail(f"node {child.id}: {e}")
                 if child.lock_ref < 0:
                     fail(f"node {child.id}: negative lock_ref")
                 seen += child.value
@@ -719,7 +755,7 @@ class RadixCache:
                 stack.append(child)
         if len(set(seen)) != len(seen):
             fail("a slot is owned by two nodes")
-        if set(seen) != self._slots:
+        if set(seen) != set(np.flatnonzero(self._owned).tolist()):
             fail("slot registry out of sync with the tree")
         if (evictable, protected) != (self.evictable_size_, self.protected_size_):
             fail(
@@ -728,7 +764,6 @@ class RadixCache:
             )
         if leaves != self.evictable_leaves:
             fail("evictable-leaf set out of sync with the tree")
-        alloc = self.token_to_kv_pool_allocator
         if alloc is not None and not all(alloc.is_allocated(s) for s in seen):
             fail("the tree owns a slot that the allocator thinks is free")
 

@@ -74,19 +74,23 @@ def test_match_ending_inside_an_edge_splits_it() -> None:
 
 def test_page_size_2_matches_and_stores_whole_pages_only() -> None:
     cache = RadixCache(page_size=2)
-    cache.insert([1, 2, 3, 4], [10, 20, 30, 40])
-    assert cache.match_prefix([1, 2, 3, 9]).indices == [10, 20]
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    assert cache.match_prefix([1, 2, 3, 9]).indices == [10, 11]
     before = len(nodes(cache))
     indices, last = cache.match_prefix([1])
     assert indices == [] and last is cache.root_node
     assert len(nodes(cache)) == before
     # Odd lengths are cut to whole pages; a key that differs inside its first page shares
     # nothing with [1, 2, ...].
-    assert cache.insert([1, 2, 3, 4, 5], [10, 20, 30, 40, 50]) == 4
-    assert cache.insert([1, 3, 3], [11, 31, 32]) == 0
-    assert cache.insert([1, 2, 7, 8, 9], [10, 20, 70, 80, 90]) == 2
+    assert cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 50]) == 4
+    assert cache.insert([1, 3, 3], [14, 15, 32]) == 0
+    assert cache.insert([1, 2, 7, 8, 9], [10, 11, 16, 17, 90]) == 2
     assert all(len(n.key) % 2 == 0 and len(n.value) == len(n.key) for n in nodes(cache))
     assert cache.total_size() == 4 + 2 + 2  # [1,2,3,4], [1,3], [7,8]
+    cache.check_invariants()
+    # A page of tokens must sit in one whole KV page: evicting it frees that page.
+    with pytest.raises(InvalidKeyError):
+        cache.insert([5, 6], [21, 22])
     cache.check_invariants()
 
 
