@@ -14,6 +14,8 @@ venv: $(VENV)/.installed
 # Re-installs only when pyproject.toml changes or a package appears (the editable install
 # maps the packages that exist at install time); otherwise instant.
 $(VENV)/.installed: pyproject.toml $(wildcard minirad/__init__.py viz/__init__.py)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "minirad needs Python >= 3.11: run 'make PYTHON=python3.11 ...'"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $@

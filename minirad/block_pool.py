@@ -27,9 +27,11 @@ from .events import (
     BlockStoredEvent,
     EventBus,
     FreeEvent,
+    ResetEvent,
     TouchEvent,
 )
 from .multimodal import MultiModalItem, block_extra_keys
+from .tokens import as_token_ids
 
 __all__ = [
     "BlockHash",
@@ -183,8 +185,11 @@ class BlockPool:
         A popped block that was still cached loses its hash now (lazy eviction).
 
         Raises:
+            InvalidArgumentError: ``num_blocks`` is not an int >= 0.
             OutOfMemoryError: fewer free blocks than asked; nothing changes.
         """
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise InvalidArgumentError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         if num_blocks > self.get_num_free_blocks():
             raise OutOfMemoryError(
                 f"need {num_blocks} blocks, only {self.get_num_free_blocks()} free"
@@ -207,7 +212,12 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix hit reuses ``blocks``: take free ones out of the free queue (so they
-        cannot be evicted while in use) and add one reference to each."""
+        cannot be evicted while in use) and add one reference to each.
+
+        Raises:
+            UnknownBlockError: a block belongs to another pool; nothing changes.
+        """
+        self._check_own(blocks)
         self.bus.tick()
         for b in blocks:
             if b.ref_cnt == 0:
@@ -231,9 +241,10 @@ class BlockPool:
         which is what makes the queue LRU (vLLM PR #42656).
 
         Raises:
-            UnknownBlockError: a block would drop below zero references (a double free);
-                nothing changes.
+            UnknownBlockError: a block would drop below zero references (a double free), or
+                belongs to another pool; nothing changes.
         """
+        self._check_own(ordered_blocks)
         counts = Counter(b.block_id for b in ordered_blocks)
         for b in ordered_blocks:
             if b.ref_cnt < counts[b.block_id]:
@@ -252,6 +263,11 @@ class BlockPool:
         if self.bus.active and released:
             ids = tuple(b.block_id for b in released)
             self.bus.emit(FreeEvent(self.bus.time, "block_pool", "block", ids))
+
+    def _check_own(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for b in blocks:
+            if not (0 <= b.block_id < self.num_blocks and self.blocks[b.block_id] is b):
+                raise UnknownBlockError(f"{b!r} is not a block of this pool")
 
     def cache_full_blocks(
         self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
@@ -288,6 +304,9 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached_block_hash_to_block.clear()
+        t = self.bus.tick()
+        if self.bus.active:
+            self.bus.emit(ResetEvent(t, "block_pool"))
         return True
 
     def check_invariants(self) -> None:
@@ -356,6 +375,7 @@ class KVCacheManager:
     ) -> list[BlockHash]:
         """Chained hashes of every *full* block of ``token_ids`` (a partial last block has
         none)."""
+        token_ids = as_token_ids(token_ids, "token_ids")
         hashes = []
         parent = self.root_hash
         bs = self.block_size
@@ -375,15 +395,17 @@ class KVCacheManager:
         tokens. At most ``(len - 1) // block_size`` blocks hit: the last token always goes
         through the model, so a fully cached prompt recomputes its whole last block. A pure
         lookup: no reference changes (``allocate_slots`` claims the blocks)."""
+        token_ids = as_token_ids(token_ids, "token_ids")
+        if not self.enable_caching:  # no lookup, no statistics (as vLLM)
+            return [], 0
         blocks: list[KVCacheBlock] = []
-        if self.enable_caching and token_ids:
-            max_blocks = (len(token_ids) - 1) // self.block_size
-            usable = token_ids[: max_blocks * self.block_size]
-            for h in self.block_hashes(usable, mm_items, extra_key):
-                block = self.block_pool.get_cached_block(h)
-                if block is None:
-                    break
-                blocks.append(block)
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        usable = token_ids[: max_blocks * self.block_size]
+        for h in self.block_hashes(usable, mm_items, extra_key):
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
         num_computed = len(blocks) * self.block_size
         self.queries += len(token_ids)
         self.hits += num_computed
@@ -413,12 +435,17 @@ class KVCacheManager:
             InvalidArgumentError: more tokens than ``token_ids`` holds, or computed blocks for
                 a request that already has blocks.
         """
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}"
+            )
+        token_ids = as_token_ids(token_ids, "token_ids")
         blocks = self.req_to_blocks.get(request_id, [])
         if new_computed_blocks and blocks:
             raise InvalidArgumentError("prefix hits are only claimed by a new request")
         computed = self.num_tokens.get(request_id, 0) + len(new_computed_blocks) * self.block_size
         need = computed + num_new_tokens
-        if num_new_tokens < 0 or need > len(token_ids):
+        if need > len(token_ids):
             raise InvalidArgumentError(
                 f"{need} tokens need slots but the request has {len(token_ids)} tokens"
             )

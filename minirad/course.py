@@ -3,7 +3,7 @@
 Every chapter starts with ``from minirad.course import setup; setup()``. Outputs are committed
 and compared by nbval, so every source of run-to-run noise is pinned here: random seeds,
 torch's thread count (reduction order depends on it), print precision, and library warnings
-that would land in stderr (see ``shared/reference/research/teaching_viz.md`` §2.4).
+that would land in stderr (nbval compares stderr too).
 """
 
 from __future__ import annotations

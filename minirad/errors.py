@@ -41,3 +41,8 @@ class UnknownBlockError(MiniradError, ValueError):
 
 class ImageError(MiniradError, ValueError):
     """An image is missing, unreadable, or does not match the placeholders of a prompt."""
+
+
+class UnsupportedModelError(MiniradError, ValueError):
+    """A model's architecture, or a feature of its config, is not one minirad's paged decoder
+    implements (the message names the supported ones)."""

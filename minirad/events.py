@@ -3,7 +3,7 @@
 Every mutation of a cache or pool (match, insert, split, lock, unlock, evict, alloc, free...)
 is published as one frozen dataclass with the logical time of the operation. Subscribers (the
 visualizer in ``viz/``, statistics, notebook printouts) only ever see these events; nothing
-reaches into a cache's internals to draw it (``shared/design/architecture.md``).
+reaches into a cache's internals to draw it.
 
 The clock is an operation counter, not wall time: every public operation takes one tick, and
 the nodes it touches get that tick as their ``last_access_time``. Order and ties are therefore
@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
+
+from .errors import InvalidArgumentError
 
 __all__ = [
     "AllocEvent",
@@ -268,11 +270,21 @@ _EVENT_TYPES: dict[str, type[Event]] = {
 
 
 def event_from_dict(d: dict) -> Event:
-    """Inverse of :meth:`Event.to_dict`. Raises ``KeyError`` for an unknown ``kind``."""
+    """Inverse of :meth:`Event.to_dict`.
+
+    Raises:
+        KeyError: unknown ``kind``.
+        InvalidArgumentError: a required field is missing.
+    """
     cls = _EVENT_TYPES[d["kind"]]
     kwargs = {}
     for f in dataclasses.fields(cls):
-        v = d[f.name] if f.name in d else f.default
+        if f.name in d:
+            v = d[f.name]
+        elif f.default is not dataclasses.MISSING:
+            v = f.default
+        else:
+            raise InvalidArgumentError(f"{d['kind']} event without its {f.name!r} field: {d}")
         kwargs[f.name] = tuple(v) if isinstance(v, list) else v
     return cls(**kwargs)
 

@@ -27,7 +27,7 @@ class EvictionPolicy(Protocol):
     name: str
 
     def priority(self, node: TreeNode) -> tuple[int, ...]:
-        """Sort key of an evictable leaf: the smallest is evicted first."""
+        """Sort key of an evictable leaf: the smallest is evicted first (ties: lowest id)."""
         ...
 
 
@@ -58,6 +58,8 @@ def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     Raises :class:`InvalidArgumentError` for an unknown name.
     """
     if not isinstance(policy, str):
+        if not callable(getattr(policy, "priority", None)):
+            raise InvalidArgumentError(f"{policy!r} is not an eviction policy (no priority())")
         return policy
     try:
         return POLICIES[policy]()

@@ -20,6 +20,7 @@ Two allocators share that slot space:
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Sequence
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidArgumentError, OutOfMemoryError, UnknownBlockError
-from .events import AllocEvent, EventBus, FreeEvent
+from .events import AllocEvent, EventBus, FreeEvent, ResetEvent
 
 __all__ = ["KVCache", "TokenToKVPoolAllocator", "block_table_from_slots", "slot_mapping"]
 
@@ -181,12 +182,14 @@ class TokenToKVPoolAllocator:
         self.clear()
 
     def clear(self) -> None:
-        """Free every page."""
+        """Free every page (a :class:`ResetEvent`)."""
         # A FIFO queue as a list plus a head index: slicing runs in C, where a deque would
         # pop one page at a time in Python (the allocator is on every request's hot path).
         self._free_pages: list[int] = list(range(self.num_pages))
         self._head = 0
         self._allocated = np.zeros(self.num_pages, dtype=bool)  # page handed out?
+        if self.bus.active:
+            self.bus.emit(ResetEvent(self.bus.tick(), "token_pool"))
 
     def available_size(self) -> int:
         """Free capacity in tokens."""
@@ -249,16 +252,36 @@ class TokenToKVPoolAllocator:
         if self.bus.active:
             self.bus.emit(FreeEvent(self.bus.time, "token_pool", "slot", tuple(slots)))
 
+    def check_allocated(self, slots: Sequence[int]) -> None:
+        """Raise :class:`UnknownBlockError` unless every slot is in range and handed out."""
+        if len(slots) == 0:
+            return
+        try:
+            arr = array("q", slots)
+        except (TypeError, OverflowError):
+            self._raise_bad_free(slots)
+        if min(arr) < 0 or max(arr) >= self.size:
+            self._raise_bad_free(slots)
+        ps = self.page_size
+        pages = arr if ps == 1 else [s // ps for s in arr]
+        if not self._allocated[pages].all():
+            self._raise_bad_free(slots)
+
     def _raise_bad_free(self, slots: Sequence[int]) -> None:
-        """Raise the error that says why ``free(slots)`` was refused."""
+        """Raise the error that says what is wrong with ``slots``."""
         for s in slots:
-            if not isinstance(s, int) or not 0 <= s < self.size:
-                raise UnknownBlockError(f"slot {s!r} is not in 0..{self.size - 1}")
+            try:
+                s = operator.index(s)
+            except TypeError:
+                raise UnknownBlockError(f"slot {s!r} is not an int") from None
+            if not 0 <= s < self.size:
+                raise UnknownBlockError(f"slot {s} is not in 0..{self.size - 1}")
             if not self._allocated[s // self.page_size]:
                 raise UnknownBlockError(f"slot {s} (page {s // self.page_size}) is not allocated")
 
     def is_allocated(self, slot: int) -> bool:
-        return bool(self._allocated[slot // self.page_size])
+        """True if ``slot`` is in range and its page is handed out."""
+        return 0 <= slot < self.size and bool(self._allocated[slot // self.page_size])
 
     def __repr__(self) -> str:
         return (

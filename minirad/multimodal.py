@@ -89,6 +89,9 @@ def pad_input_ids(
 ) -> list[int]:
     """Replace the i-th run of image placeholders with the pad id of ``image_hashes[i]``.
 
+    Runs are maximal, so two images must be separated by at least one other token (VLM chat
+    templates put text or a marker between images).
+
     Raises:
         ImageError: the number of placeholder runs differs from the number of images.
     """

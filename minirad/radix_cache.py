@@ -16,15 +16,17 @@ page) and namespaced by ``extra_key``, and the request lifecycle in
 Differences from SGLang, on purpose: keys and values are plain Python lists (no torch tensors
 in the tree); time is a logical clock from :class:`minirad.events.EventBus`; a split keeps the
 node *id* on the prefix part (the part whose edge from the parent is unchanged), so drawings
-stay stable, while the suffix keeps the object (a request holding it stays correct).
+stay stable, while the suffix keeps the object (a request holding it stays correct);
+``hit_count`` counts the matches that walked a node (SGLang counts insert paths), so LFU ranks
+prefixes by how often they were *reused*.
 """
 
 from __future__ import annotations
 
 import heapq
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple
 
 import graphviz
@@ -43,8 +45,18 @@ from .events import (
 )
 from .eviction import EvictionPolicy, get_policy
 from .kv_pool import TokenToKVPoolAllocator
+from .tokens import as_token_ids
 
 __all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
+
+_node_id = attrgetter("id")
+# Without an allocator, slot ids index a mask in memory; beyond this, give the cache one.
+MAX_SIMULATED_SLOT = 1 << 24
+
+
+def _check_extra_key(extra_key: object) -> None:
+    if extra_key is not None and not isinstance(extra_key, str):
+        raise InvalidKeyError(f"extra_key must be a str or None, got {extra_key!r}")
 
 
 class TreeNode:
@@ -148,26 +160,15 @@ class Req:
     last_node: TreeNode | None = None
     cache_protected_len: int = 0
 
+    def __post_init__(self) -> None:
+        # Lists of plain ints: `+` on numpy arrays would add element-wise, not concatenate.
+        self.origin_input_ids = as_token_ids(self.origin_input_ids, "origin_input_ids")
+        self.output_ids = as_token_ids(self.output_ids, "output_ids")
+
     @property
     def fill_ids(self) -> list[int]:
         """Prompt plus output tokens."""
         return self.origin_input_ids + self.output_ids
-
-
-def _check_tokens(name: str, ids: Sequence[int]) -> list[int]:
-    """``ids`` as a list of ints >= 0 (lists, tuples, arrays and tensors accepted)."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    try:
-        # An unsigned C array type-checks every element at C speed: floats, strings and
-        # None raise TypeError, negative ids OverflowError. A list is returned as is (the
-        # tree only ever stores slices, never the caller's list).
-        checked = array("Q", ids)
-        return ids if type(ids) is list else checked.tolist()
-    except (TypeError, OverflowError):
-        pass
-    bad = next((t for t in ids if type(t) is not int or t < 0), ids)
-    raise InvalidKeyError(f"{name} must be non-negative ints, got {bad!r}") from None
 
 
 class RadixCache:
@@ -280,7 +281,8 @@ class RadixCache:
         Raises:
             InvalidKeyError: a token id is negative or not an int.
         """
-        key = self._aligned(_check_tokens("key", key))
+        key = self._aligned(as_token_ids(key, "key"))
+        _check_extra_key(extra_key)
         t = self.bus.tick()
         indices, node, path = self._match(key, extra_key, t, count_hit=True)
         self.queries += len(key)
@@ -355,16 +357,19 @@ class RadixCache:
             ``prefix_len``: how many leading tokens of the (aligned) key were already cached.
 
         Raises:
-            InvalidKeyError: bad token ids or slots, ``len(value) != len(key)``, or new slots
-                that the tree already owns (checked before anything changes).
+            InvalidKeyError: bad token ids or slots, ``len(value) != len(key)``, new slots
+                that the tree already owns or that are not whole pages.
+            UnknownBlockError: new slots that the allocator has not handed out.
+            Every check runs before anything changes.
         """
-        key = _check_tokens("key", key)
+        key = as_token_ids(key, "key")
+        _check_extra_key(extra_key)
         simulated = value is None
         if simulated and self.token_to_kv_pool_allocator is not None:
             raise InvalidArgumentError(
                 "insert needs the slots (value) when the cache has an allocator"
             )
-        value = [-1] * len(key) if simulated else _check_tokens("value", value)
+        value = [-1] * len(key) if simulated else as_token_ids(value, "value")
         if len(value) != len(key):
             raise InvalidKeyError(f"value has {len(value)} slots for {len(key)} tokens")
         key = self._aligned(key)
@@ -387,10 +392,16 @@ class RadixCache:
                 value[i:] = range(self._next_sim_slot, self._next_sim_slot + len(key) - i)
                 self._next_sim_slot += len(key) - i
             new_value = value[i:]
+            alloc = self.token_to_kv_pool_allocator
+            limit = alloc.size if alloc is not None else MAX_SIMULATED_SLOT
+            if max(new_value) >= limit:
+                raise InvalidKeyError(f"slot {max(new_value)} is out of range (< {limit})")
             new_idx = np.array(new_value, dtype=np.int64)
             self._grow_owned(int(new_idx.max()) + 1)
             if self._owned[new_idx].any() or len(set(new_value)) != len(new_value):
                 raise InvalidKeyError("insert would give the tree a slot it already owns")
+            if alloc is not None:
+                alloc.check_allocated(new_value)
             if self.page_size > 1 and not simulated:
                 self._check_whole_pages(new_value)
         t = self.bus.tick()
@@ -454,25 +465,31 @@ class RadixCache:
 
         Raises:
             InvalidArgumentError: ``num_tokens`` is negative.
+            UnknownBlockError: the allocator does not know a victim's slots (someone freed
+                them behind the tree's back); the leaves evicted before it stay evicted.
         """
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        t = self.bus.tick()
+        self.bus.tick()
+        alloc = self.token_to_kv_pool_allocator
         priority = self.eviction_policy.priority
-        heap = list(zip(map(priority, self.evictable_leaves), self.evictable_leaves, strict=True))
+        leaves = self.evictable_leaves
+        # (key, id, node): the id breaks ties of a custom policy, so nodes are never compared.
+        heap = list(zip(map(priority, leaves), map(_node_id, leaves), leaves, strict=True))
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_tokens and heap:
-            _, x = heapq.heappop(heap)
+            _, _, x = heapq.heappop(heap)
+            if alloc is not None:  # if the allocator would refuse, this leaf stays, consistent
+                alloc.check_allocated(x.value)
             freed += x.value
             parent = x.parent
             self._delete_leaf(x)
             if self.bus.active:
-                self.bus.emit(EvictEvent(t, x.id, len(x.value), tuple(x.value)))
-            if parent in self.evictable_leaves:
-                heapq.heappush(heap, (priority(parent), parent))
-        if self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free(freed)
+                self.bus.emit(EvictEvent(self.bus.time, x.id, len(x.value), tuple(x.value)))
+            self._free(x.value)
+            if parent in leaves:
+                heapq.heappush(heap, (priority(parent), parent.id, parent))
         return freed
 
     def _delete_leaf(self, node: TreeNode) -> None:
@@ -487,12 +504,15 @@ class RadixCache:
 
     # ------------------------------------------------------------------ locks
     def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        if not isinstance(node, TreeNode):
+            raise LockError(f"expected a TreeNode, got {type(node).__name__}")
         path = []
-        while node is not self.root_node:
-            if node.parent is None:
-                raise LockError(f"node {node.id} is no longer in the tree (evicted)")
-            path.append(node)
-            node = node.parent
+        n = node
+        while n is not self.root_node:
+            if n.parent is None:
+                raise LockError(f"node {node.id} is not in this tree (evicted, or another cache's)")
+            path.append(n)
+            n = n.parent
         return path
 
     def inc_lock_ref(self, node: TreeNode) -> int:
@@ -591,6 +611,8 @@ class RadixCache:
         Returns:
             the matched slots.
         """
+        if req.last_node is not None:
+            raise LockError(f"request {req.rid} already holds a lock; finish it first")
         fill = req.fill_ids
         indices, node = self.match_prefix(fill[: max(len(fill) - 1, 0)], req.extra_key)
         self.inc_lock_ref(node)
@@ -608,6 +630,8 @@ class RadixCache:
                 f"request {req.rid} has {len(req.kv_indices)} KV slots for "
                 f"{len(req.fill_ids)} tokens"
             )
+        if self.token_to_kv_pool_allocator is not None:  # fail before the tree changes
+            self.token_to_kv_pool_allocator.check_allocated(req.kv_indices)
         return req.fill_ids[: len(req.kv_indices)]
 
     def cache_unfinished_req(self, req: Req) -> None:
@@ -700,7 +724,8 @@ class RadixCache:
                 text = text[: max_label - 1] + "…"
             style = {"style": "filled", "fillcolor": "#cfe2ff"} if n.lock_ref else {}
             dot.node(str(n.id), f"#{n.id}  {len(n.key)} tok\\nlock_ref={n.lock_ref}", **style)
-            dot.edge(str(n.parent.id), str(n.id), label=text)
+            # escape(): decoded text such as "<image>" must not be read as DOT markup.
+            dot.edge(str(n.parent.id), str(n.id), label=graphviz.escape(text))
         return dot
 
     def check_invariants(self) -> None:

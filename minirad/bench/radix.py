@@ -19,10 +19,12 @@ In the same process, on the same trace, the benchmark also replays the baselines
 (every prompt token is prefilled; only the allocator runs), each eviction policy at the given
 capacity, and a cache large enough never to evict (the upper bound on the hit rate).
 
-Reading the results. On multi-turn chat, ``lru`` and ``fifo`` evict the same tokens: an
-unlocked leaf is always the tail of an idle conversation, and the insert that created it (when
-the conversation's last turn finished) also touched its whole path, so "least recently used"
-and "oldest" both mean "the conversation idle the longest", whose nodes then go leaf by leaf.
+Reading the results. On this multi-turn chat trace ``lru`` and ``fifo`` evict (nearly) the
+same tokens: an unlocked leaf is usually the tail of an idle conversation, and the insert that
+created it (when the conversation's last turn finished) also touched its whole path, so "least
+recently used" and "oldest" both mean "the conversation idle the longest". They part once
+eviction reaches inner nodes, whose creation and last access differ; other traces (shorter
+system prompts, tighter memory) show small differences.
 ``lfu`` does worse here: every tail has ``hit_count`` 0 (it has never been matched) while
 the prefixes above it have been hit, so lfu strips the latest turn off *every* idle
 conversation, including those that just answered and are likeliest to come back, before it
@@ -302,13 +304,26 @@ def format_report(bench: RadixBenchmark) -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``radix`` subcommand's options."""
-    parser.add_argument("--conversations", type=int, default=2000, help="number of conversations")
-    parser.add_argument("--turns", type=int, default=4, help="mean turns per conversation")
+    parser.add_argument(
+        "--conversations", type=_positive_int, default=2000, help="number of conversations"
+    )
+    parser.add_argument(
+        "--turns", type=_positive_int, default=4, help="mean turns per conversation"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
-    parser.add_argument("--capacity", type=int, default=262144, help="KV pool size in tokens")
-    parser.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
+    parser.add_argument(
+        "--capacity", type=_positive_int, default=262144, help="KV pool size in tokens"
+    )
+    parser.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
     parser.add_argument(
         "--policy",
         default="lru",
