@@ -1,0 +1,172 @@
+"""ForwardBatch: what one model step computes, as flat tensors.
+
+A scheduler picks, for each running sequence, the tokens to run this step: a whole prompt, a
+chunk of one (chunked prefill), the part of a prompt after a cached prefix (radix / prefix
+reuse), or the one token sampled last step (decode). All of them go into one flattened,
+variable-length batch (SGLang's ``ForwardBatch`` in ``EXTEND``/``MIXED`` mode, vLLM v1's
+``InputBatch`` + ``CommonAttentionMetadata``), so the model runs every linear layer once per
+step for all sequences.
+
+Per sequence the scheduler knows two lists:
+
+- ``token_ids``: the new tokens of this step (``query_len`` of them);
+- ``kv_slots``: the KV slot of every context token, the cached prefix followed by the new
+  tokens (``seq_len`` of them; its tail of ``query_len`` slots is where the new K/V go).
+
+With the radix cache the prefix slots are ``RadixCache.match_prefix(...).indices`` and the new
+ones come from ``TokenToKVPoolAllocator.alloc`` (together: ``Req.kv_indices``, SGLang's
+``req_to_token`` row); with vLLM's block pool, expand the block table with
+:func:`minirad.kv_pool.slot_mapping` (or :func:`minirad.paged_attention.block_table_to_kv_slots`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ImageError, InvalidArgumentError
+
+__all__ = ["ForwardBatch"]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One step of ``B`` sequences with ``T`` new tokens in total.
+
+    Attributes:
+        input_ids: ``[T]`` int64, the new tokens, sequence after sequence. Image placeholders
+            keep ``image_token_id`` here (not the radix cache's pad values).
+        positions: ``[T]`` int64, each token's index in its sequence (its RoPE position).
+        slot_mapping: ``[T]`` int64, the KV slot each token's K/V is written to (SGLang's
+            ``out_cache_loc``).
+        kv_slots: ``[B, max_seq_len]`` int64, the slot of every context token per sequence,
+            padded with slot 0 (SGLang's ``req_to_token[req_pool_indices]``).
+        seq_lens: ``[B]`` int64, context length after this step (cached + new tokens).
+        query_lens: ``[B]`` int64, new tokens per sequence (SGLang's ``extend_seq_lens``).
+        logits_indices: ``[num_logits]`` int64, rows of the ``T`` tokens whose next-token
+            logits are computed (vLLM's ``logits_indices``): by default the last token of each
+            sequence.
+        max_query_len: ``max(query_lens)`` as a Python int.
+        inputs_embeds: optional ``[T, hidden]`` embeddings that replace the token lookup.
+        mm_features: optional ``[n, hidden]`` image features that replace the embeddings of
+            the tokens at ``mm_token_indices`` (see
+            :func:`minirad.models.image_features_for_chunk`).
+        mm_token_indices: optional ``[n]`` int64, rows of the ``T`` tokens that take
+            ``mm_features``, in order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_slots: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens: torch.Tensor
+    logits_indices: torch.Tensor
+    max_query_len: int
+    inputs_embeds: torch.Tensor | None = None
+    mm_features: torch.Tensor | None = None
+    mm_token_indices: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: Sequence[Sequence[int]],
+        kv_slots: Sequence[Sequence[int]],
+        *,
+        mm_features: Sequence[torch.Tensor | None] | None = None,
+        image_token_id: int | None = None,
+        all_logits: bool = False,
+        device: str | torch.device = "cpu",
+    ) -> ForwardBatch:
+        """Build a batch from per-sequence Python lists.
+
+        Args:
+            token_ids: per sequence, the new tokens of this step (at least one).
+            kv_slots: per sequence, the slots of all its context tokens, prefix then new
+                (``len(kv_slots[b]) >= len(token_ids[b])``; the last ``len(token_ids[b])``
+                slots receive the new K/V).
+            mm_features: per sequence, the features of the image placeholders among its
+                ``token_ids`` (``[n_b, hidden]``, in order), or None. A sequence with None
+                embeds any ``image_token_id`` among its tokens as an ordinary token (as HF
+                does for a generated one).
+            image_token_id: the placeholder id; required with ``mm_features``.
+            all_logits: compute logits for every token (parity tests, scoring) instead of the
+                last token of each sequence (sampling).
+            device: where the tensors go.
+
+        Raises:
+            InvalidArgumentError: the lists disagree in length, a sequence has no new token,
+                or its context is shorter than its new tokens; ``mm_features`` without
+                ``image_token_id``.
+            ImageError: a sequence's placeholder count differs from its feature rows.
+        """
+        B = len(token_ids)
+        if B == 0 or len(kv_slots) != B:
+            raise InvalidArgumentError(
+                f"need one kv_slots row per sequence and at least one sequence, "
+                f"got {B} token lists and {len(kv_slots)} kv_slots rows"
+            )
+        if mm_features is not None and len(mm_features) != B:
+            raise InvalidArgumentError(f"mm_features has {len(mm_features)} entries for {B} seqs")
+        if mm_features is not None and image_token_id is None:
+            raise InvalidArgumentError("mm_features needs image_token_id")
+        query_lens = [len(t) for t in token_ids]
+        seq_lens = [len(s) for s in kv_slots]
+        for b, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if not 1 <= q <= s:
+                raise InvalidArgumentError(
+                    f"sequence {b}: {q} new tokens with {s} context slots (need 1 <= new <= ctx)"
+                )
+        max_seq_len = max(seq_lens)
+        ids, positions, slots, logits_indices = [], [], [], []
+        feats, mm_indices = [], []
+        for b in range(B):
+            q, s = query_lens[b], seq_lens[b]
+            f = None if mm_features is None else mm_features[b]
+            if f is not None:
+                rows = [len(ids) + i for i, t in enumerate(token_ids[b]) if t == image_token_id]
+                if len(rows) != f.shape[0]:
+                    raise ImageError(
+                        f"sequence {b}: {len(rows)} image placeholders but {f.shape[0]} "
+                        f"feature rows"
+                    )
+                feats.append(f)
+                mm_indices.extend(rows)
+            ids.extend(token_ids[b])
+            positions.extend(range(s - q, s))
+            slots.extend(kv_slots[b][s - q :])
+            end = len(ids)
+            logits_indices.extend(range(end - q, end) if all_logits else (end - 1,))
+        # Row by row into a zeroed array: ~3x faster than torch.tensor on a list of padded
+        # lists, and this is per-step Python work. (An engine can keep the rows in a tensor,
+        # SGLang's ReqToTokenPool, and index it instead of calling build.)
+        padded = np.zeros((B, max_seq_len), dtype=np.int64)
+        for b, row in enumerate(kv_slots):
+            padded[b, : len(row)] = row
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=t(ids),
+            positions=t(positions),
+            slot_mapping=t(slots),
+            kv_slots=torch.from_numpy(padded).to(device),
+            seq_lens=t(seq_lens),
+            query_lens=t(query_lens),
+            logits_indices=t(logits_indices),
+            max_query_len=max(query_lens),
+            mm_features=torch.cat(feats).to(device) if feats else None,
+            mm_token_indices=t(mm_indices) if feats else None,
+        )

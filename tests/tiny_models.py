@@ -1,0 +1,189 @@
+"""Tiny Hugging Face VLMs built from configs, for parity tests (offline, deterministic).
+
+Each builder returns a random-init model in eval mode, fp32, whose weights are perturbed by
+N(0, 0.2) so that the logits are not flat and greedy decoding does not repeat one token (HF's
+0.02-std init gives near-uniform logits, and parity on those proves little): logit std ~1.7.
+Same arguments -> same weights.
+
+Geometry shared by every family, chosen so that tests run in a fraction of a second:
+text model 2 layers, hidden 64, 4 query heads / 2 KV heads (GQA, head_dim 16), vocab 96;
+vision tower 1 layer on 32x32 images. Token ids: 0 pad, 1 bos, 2 eos, 3 image placeholder.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    CLIPVisionConfig,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PreTrainedModel,
+    Qwen2Config,
+)
+from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+
+VOCAB_SIZE = 96
+PAD_ID, BOS_ID, EOS_ID, IMAGE_TOKEN_ID = 0, 1, 2, 3
+IMAGE_SIZE = 32
+PATCH_SIZE = 8
+LLAVA_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # CLIP "default": CLS dropped -> 16
+IDEFICS3_SCALE = 2
+IDEFICS3_IMAGE_TOKENS = LLAVA_IMAGE_TOKENS // IDEFICS3_SCALE**2  # pixel shuffle -> 4
+
+FAMILIES = ("llava-llama", "llava-qwen2", "idefics3")
+
+
+def text_config(kind: str = "llama", **overrides) -> LlamaConfig | Qwen2Config:
+    """A 2-layer GQA text config; ``kind`` is ``"llama"`` or ``"qwen2"`` (q/k/v bias)."""
+    kw = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=True,
+    )
+    kw.update(overrides)
+    return Qwen2Config(**kw) if kind == "qwen2" else LlamaConfig(**kw)
+
+
+def perturb_(model: torch.nn.Module, std: float = 0.2, seed: int = 0) -> None:
+    """Add N(0, std) noise to every parameter, from a private seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+
+
+def _finish(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    perturb_(model, seed=seed)
+    model.generation_config.pad_token_id = PAD_ID
+    # No EOS: generate() must run the full number of steps the test compares.
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = BOS_ID
+    return model.eval()
+
+
+def tiny_llava(text: str = "llama", seed: int = 0, **text_overrides) -> PreTrainedModel:
+    """LLaVA (CLIP vision tower + MLP projector) with a Llama or Qwen2 text model."""
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        projection_dim=32,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text_config(text, **text_overrides),
+        image_token_index=IMAGE_TOKEN_ID,
+        image_seq_length=LLAVA_IMAGE_TOKENS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return _finish(LlavaForConditionalGeneration(cfg), seed)
+
+
+def tiny_idefics3(seed: int = 0, **text_overrides) -> PreTrainedModel:
+    """Idefics3 (SmolVLM: SigLIP-style tower + pixel-shuffle connector) with a Llama text model."""
+    vision = Idefics3VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+    )
+    cfg = Idefics3Config(
+        vision_config=vision,
+        text_config=text_config("llama", **text_overrides),
+        image_token_id=IMAGE_TOKEN_ID,
+        scale_factor=IDEFICS3_SCALE,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return _finish(Idefics3ForConditionalGeneration(cfg), seed)
+
+
+def tiny_model(family: str, seed: int = 0) -> PreTrainedModel:
+    """One of :data:`FAMILIES`."""
+    if family == "llava-llama":
+        return tiny_llava("llama", seed)
+    if family == "llava-qwen2":
+        return tiny_llava("qwen2", seed)
+    if family == "idefics3":
+        return tiny_idefics3(seed)
+    raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
+
+
+def image_tokens(family: str) -> int:
+    """Placeholder tokens one 32x32 image takes in a prompt of ``family``."""
+    return IDEFICS3_IMAGE_TOKENS if family == "idefics3" else LLAVA_IMAGE_TOKENS
+
+
+def pixel_inputs(family: str, num_images: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random preprocessed images, shaped as the family's processor returns them for one prompt:
+    LLaVA ``pixel_values [num_images, 3, 32, 32]``; Idefics3 ``[1, num_images, 3, 32, 32]``."""
+    g = torch.Generator().manual_seed(seed)
+    pv = torch.randn(num_images, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
+    return {"pixel_values": pv.unsqueeze(0) if family == "idefics3" else pv}
+
+
+def prompt_ids(
+    family: str, text_before: int, text_after: int, num_images: int = 1, seed: int = 0
+) -> list[int]:
+    """``bos, text_before random tokens, then per image (placeholder run, 2 random tokens),
+    then text_after random tokens``: the token layout a processor produces, without a
+    tokenizer. Random tokens are drawn from ``4 .. VOCAB_SIZE - 1`` (never special)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(4, VOCAB_SIZE, (n,), generator=g).tolist()
+
+    ids = [BOS_ID, *rand(text_before)]
+    for _ in range(num_images):
+        ids += [IMAGE_TOKEN_ID] * image_tokens(family) + rand(2)
+    return ids + rand(text_after)
+
+
+def tiny_llava_processor():
+    """A real ``LlavaProcessor`` for :func:`tiny_llava`: word-level tokenizer over the tiny
+    vocabulary (``"<s>"``, ``"</s>"``, ``"<image>"``, ``"w4"`` .. ``"w95"``, whitespace-split)
+    and the PIL image processor at 32x32. ``"<image>"`` expands to 16 placeholders."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlavaImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<image>": IMAGE_TOKEN_ID}
+    vocab.update({f"w{i}": i for i in range(4, VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    image_processor = LlavaImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=hf_tok,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
