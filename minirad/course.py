@@ -15,7 +15,7 @@ import warnings
 __all__ = ["setup"]
 
 
-def setup(seed: int = 0, threads: int = 2) -> None:
+def setup(seed: int = 0, threads: int = 1) -> None:
     """Seed Python, NumPy and torch with ``seed``; use ``threads`` torch threads; silence
     progress bars, tokenizer fork warnings and transformers' info logs."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -25,7 +25,9 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
-TORCH_THREADS = 2
+# One thread: the course's tensors are tiny, and a second intra-op thread only adds
+# synchronisation, which cost up to 20x on a busy 2-core machine.
+TORCH_THREADS = 1
 
 
 def pytest_configure(config: pytest.Config) -> None:

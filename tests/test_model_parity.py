@@ -41,16 +41,6 @@ ATOL = 1e-4
 DECODE_STEPS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    """These tensors are tiny: a second intra-op thread only adds synchronisation, which costs
-    up to 20x on a busy 2-core machine. Restored after the module (conftest fixes it at 2)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     return request.param

@@ -19,16 +19,6 @@ from minirad.paged_attention import (
 HEAD_DIM = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    """These tensors are tiny: a second intra-op thread only adds synchronisation, which costs
-    up to 20x on a busy 2-core machine. Restored after the module (conftest fixes it at 2)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def run_case(seqs, block_size, num_heads, num_kv_heads, seed):
     """Each seq is ``(prefix_len, query_len)``. The prefix K/V already sit in the pool (written
     at the sequence's slots beforehand), the new K/V go in through paged_attention. Blocks are
