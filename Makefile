@@ -24,7 +24,7 @@ dot:
 	tools/ensure_dot.sh
 
 lab: dot venv
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # One pytest run: with --nbval the .py tests are collected as usual and each notebook is
 # executed and compared. Exit code 5 ("no tests collected") is not a failure.
