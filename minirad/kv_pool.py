@@ -253,18 +253,14 @@ class TokenToKVPoolAllocator:
             self.bus.emit(FreeEvent(self.bus.time, "token_pool", "slot", tuple(slots)))
 
     def check_allocated(self, slots: Sequence[int]) -> None:
-        """Raise :class:`UnknownBlockError` unless every slot is in range and handed out."""
+        """Raise :class:`UnknownBlockError` unless every slot is an int in range whose page is
+        handed out."""
         if len(slots) == 0:
             return
-        try:
-            arr = array("q", slots)
-        except (TypeError, OverflowError):
+        arr = np.asarray(slots)
+        if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= self.size:
             self._raise_bad_free(slots)
-        if min(arr) < 0 or max(arr) >= self.size:
-            self._raise_bad_free(slots)
-        ps = self.page_size
-        pages = arr if ps == 1 else [s // ps for s in arr]
-        if not self._allocated[pages].all():
+        if not self._allocated[arr if self.page_size == 1 else arr // self.page_size].all():
             self._raise_bad_free(slots)
 
     def _raise_bad_free(self, slots: Sequence[int]) -> None:

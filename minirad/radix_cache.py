@@ -26,13 +26,18 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import NamedTuple
 
 import graphviz
 import numpy as np
 
-from .errors import InvalidArgumentError, InvalidKeyError, InvariantError, LockError
+from .errors import (
+    InvalidArgumentError,
+    InvalidKeyError,
+    InvariantError,
+    LockError,
+    UnknownBlockError,
+)
 from .events import (
     EventBus,
     EvictEvent,
@@ -49,7 +54,6 @@ from .tokens import as_token_ids
 
 __all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
 
-_node_id = attrgetter("id")
 # Without an allocator, slot ids index a mask in memory; beyond this, give the cache one.
 MAX_SIMULATED_SLOT = 1 << 24
 
@@ -160,15 +164,17 @@ class Req:
     last_node: TreeNode | None = None
     cache_protected_len: int = 0
 
-    def __post_init__(self) -> None:
-        # Lists of plain ints: `+` on numpy arrays would add element-wise, not concatenate.
-        self.origin_input_ids = as_token_ids(self.origin_input_ids, "origin_input_ids")
-        self.output_ids = as_token_ids(self.output_ids, "output_ids")
-
     @property
     def fill_ids(self) -> list[int]:
-        """Prompt plus output tokens."""
-        return self.origin_input_ids + self.output_ids
+        """Prompt plus output tokens, as a new list of ints (arrays and tensors accepted: `+`
+        on numpy arrays would add element-wise rather than concatenate).
+
+        Raises:
+            InvalidKeyError: a token id is not an int >= 0.
+        """
+        return as_token_ids(self.origin_input_ids, "origin_input_ids") + as_token_ids(
+            self.output_ids, "output_ids"
+        )
 
 
 class RadixCache:
@@ -215,6 +221,12 @@ class RadixCache:
         self.evictable_size_ = 0
         self.protected_size_ = 0
         self.evictable_leaves: set[TreeNode] = set()
+        # A heap of (priority, id, seq, node) over the evictable leaves, kept between calls.
+        # Entries go stale when a leaf is locked, deleted or touched; evict() skips those (it
+        # recomputes the priority), and every change pushes a fresh entry. Rebuilding the heap
+        # on every call, as SGLang does, costs O(leaves) per eviction.
+        self._evict_heap: list[tuple[tuple, int, int, TreeNode]] = []
+        self._push_count = 0
         self._next_sim_slot = 0  # slots handed out by insert(value=None)
         # owned[slot] is True while a node holds that slot: rejects giving a slot to the tree
         # twice. A numpy mask, not a set: it is updated for every inserted and evicted token.
@@ -281,8 +293,12 @@ class RadixCache:
         Raises:
             InvalidKeyError: a token id is negative or not an int.
         """
-        key = self._aligned(as_token_ids(key, "key"))
+        key = as_token_ids(key, "key")
         _check_extra_key(extra_key)
+        return self._match_prefix(key, extra_key)
+
+    def _match_prefix(self, key: list[int], extra_key: str | None) -> MatchResult:
+        key = self._aligned(key)
         t = self.bus.tick()
         indices, node, path = self._match(key, extra_key, t, count_hit=True)
         self.queries += len(key)
@@ -314,6 +330,8 @@ class RadixCache:
             i += m
             if split:
                 break
+        if node in self.evictable_leaves:  # its priority changed (access time, hit count)
+            self._push_evictable(node)
         return indices, node, path
 
     def _split_node(self, child: TreeNode, m: int, t: int) -> TreeNode:
@@ -328,6 +346,8 @@ class RadixCache:
         new.last_access_time = child.last_access_time
         child.id = self._next_id
         self._next_id += 1
+        if child in self.evictable_leaves:  # its id, part of its priority, changed
+            self._push_evictable(child)
         parent.children[self._child_key(child.key, 0, child.extra_key)] = new
         child.key = child.key[m:]
         child.value = child.value[m:]
@@ -372,6 +392,18 @@ class RadixCache:
         value = [-1] * len(key) if simulated else as_token_ids(value, "value")
         if len(value) != len(key):
             raise InvalidKeyError(f"value has {len(value)} slots for {len(key)} tokens")
+        return self._insert(key, value, extra_key, simulated)
+
+    def _insert(
+        self,
+        key: list[int],
+        value: list[int],
+        extra_key: str | None,
+        simulated: bool = False,
+        slots_checked: bool = False,
+    ) -> int:
+        """:meth:`insert` on validated ids; ``slots_checked``: the caller has already asked the
+        allocator about ``value``."""
         key = self._aligned(key)
         value = value[: len(key)]
         # Walk first without changing anything, so bad slots are rejected before any split.
@@ -400,7 +432,7 @@ class RadixCache:
             self._grow_owned(int(new_idx.max()) + 1)
             if self._owned[new_idx].any() or len(set(new_value)) != len(new_value):
                 raise InvalidKeyError("insert would give the tree a slot it already owns")
-            if alloc is not None:
+            if alloc is not None and not slots_checked:
                 alloc.check_allocated(new_value)
             if self.page_size > 1 and not simulated:
                 self._check_whole_pages(new_value)
@@ -419,7 +451,9 @@ class RadixCache:
             self.evictable_size_ += len(new_value)
             self._owned[new_idx] = True
             self.evictable_leaves.discard(node)
-            self.evictable_leaves.add(leaf)
+            self._add_evictable(leaf)
+        elif walked and walked[-1] in self.evictable_leaves:  # touched: a new priority
+            self._push_evictable(walked[-1])
         if self.bus.active:
             self.bus.emit(
                 InsertEvent(
@@ -472,25 +506,45 @@ class RadixCache:
             raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         self.bus.tick()
         alloc = self.token_to_kv_pool_allocator
-        priority = self.eviction_policy.priority
-        leaves = self.evictable_leaves
-        # (key, id, node): the id breaks ties of a custom policy, so nodes are never compared.
-        heap = list(zip(map(priority, leaves), map(_node_id, leaves), leaves, strict=True))
-        heapq.heapify(heap)
+        heap = self._evict_heap
         freed: list[int] = []
         while len(freed) < num_tokens and heap:
-            _, _, x = heapq.heappop(heap)
-            if alloc is not None:  # if the allocator would refuse, this leaf stays, consistent
-                alloc.check_allocated(x.value)
+            if not self._is_current(heap[0]):  # locked, deleted or touched since its push
+                heapq.heappop(heap)
+                continue
+            x = heap[0][3]
+            if alloc is not None:  # if the allocator would refuse, this leaf stays
+                try:
+                    alloc.check_allocated(x.value)
+                except UnknownBlockError:
+                    self._free(freed)  # the leaves already gone still return their slots
+                    raise
+            heapq.heappop(heap)
             freed += x.value
-            parent = x.parent
-            self._delete_leaf(x)
+            self._delete_leaf(x)  # pushes the parent if it became an evictable leaf
             if self.bus.active:
                 self.bus.emit(EvictEvent(self.bus.time, x.id, len(x.value), tuple(x.value)))
-            self._free(x.value)
-            if parent in leaves:
-                heapq.heappush(heap, (priority(parent), parent.id, parent))
+        self._free(freed)  # cannot fail: every victim's slots were checked, all distinct
         return freed
+
+    def _add_evictable(self, node: TreeNode) -> None:
+        self.evictable_leaves.add(node)
+        self._push_evictable(node)
+
+    def _push_evictable(self, node: TreeNode) -> None:
+        heap = self._evict_heap
+        # The id breaks ties of a custom policy; the push count makes every entry distinct (a
+        # leaf locked and unlocked again has two), so nodes themselves are never compared.
+        self._push_count += 1
+        entry = (self.eviction_policy.priority(node), node.id, self._push_count, node)
+        heapq.heappush(heap, entry)
+        if len(heap) > 4 * len(self.evictable_leaves) + 1024:  # mostly stale: rebuild
+            heap[:] = [e for e in heap if self._is_current(e)]
+            heapq.heapify(heap)
+
+    def _is_current(self, entry: tuple) -> bool:
+        key, _, _, node = entry
+        return node in self.evictable_leaves and self.eviction_policy.priority(node) == key
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
@@ -500,7 +554,7 @@ class RadixCache:
         self._owned[node.value] = False
         self.evictable_leaves.discard(node)
         if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-            self.evictable_leaves.add(parent)
+            self._add_evictable(parent)
 
     # ------------------------------------------------------------------ locks
     def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
@@ -561,7 +615,7 @@ class RadixCache:
                 self.protected_size_ -= len(n.key)
                 delta += len(n.key)
                 if not n.children:
-                    self.evictable_leaves.add(n)
+                    self._add_evictable(n)
         t = self.bus.tick()
         if self.bus.active and path:
             self.bus.emit(
@@ -613,8 +667,9 @@ class RadixCache:
         """
         if req.last_node is not None:
             raise LockError(f"request {req.rid} already holds a lock; finish it first")
+        _check_extra_key(req.extra_key)
         fill = req.fill_ids
-        indices, node = self.match_prefix(fill[: max(len(fill) - 1, 0)], req.extra_key)
+        indices, node = self._match_prefix(fill[: max(len(fill) - 1, 0)], req.extra_key)
         self.inc_lock_ref(node)
         req.prefix_indices = indices
         req.kv_indices = list(indices)
@@ -622,17 +677,21 @@ class RadixCache:
         req.cache_protected_len = len(indices)
         return indices
 
-    def _check_req(self, req: Req) -> list[int]:
+    def _check_req(self, req: Req) -> tuple[list[int], list[int]]:
+        """The request's tokens that have KV and their slots, validated before the tree
+        changes: the slots past the tree's prefix must be the request's, allocated."""
         if req.last_node is None:
             raise LockError(f"request {req.rid} holds no lock; call match_prefix_for_req first")
-        if len(req.kv_indices) > len(req.fill_ids):
+        fill = req.fill_ids
+        kv = as_token_ids(req.kv_indices, "kv_indices")
+        if len(kv) > len(fill):
             raise InvalidKeyError(
-                f"request {req.rid} has {len(req.kv_indices)} KV slots for "
-                f"{len(req.fill_ids)} tokens"
+                f"request {req.rid} has {len(kv)} KV slots for {len(fill)} tokens"
             )
-        if self.token_to_kv_pool_allocator is not None:  # fail before the tree changes
-            self.token_to_kv_pool_allocator.check_allocated(req.kv_indices)
-        return req.fill_ids[: len(req.kv_indices)]
+        if self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.check_allocated(kv[req.cache_protected_len :])
+        req.kv_indices = kv
+        return fill[: len(kv)], kv
 
     def cache_unfinished_req(self, req: Req) -> None:
         """Insert what a running request has computed so far and move its lock down.
@@ -643,10 +702,9 @@ class RadixCache:
         slots (SGLang's dedupe contract: the tree owns exactly one copy of each prefix).
         The partial last page stays private to the request.
         """
-        token_ids = self._check_req(req)
-        kv = req.kv_indices
+        token_ids, kv = self._check_req(req)
         n = len(token_ids) - len(token_ids) % self.page_size
-        prefix_len = self.insert(token_ids[:n], kv[:n], req.extra_key)
+        prefix_len = self._insert(token_ids[:n], kv[:n], req.extra_key, slots_checked=True)
         self._free(kv[req.cache_protected_len : prefix_len])
         new_indices, new_node, _ = self._match(
             self._aligned(token_ids), req.extra_key, self.bus.tick(), count_hit=False
@@ -665,10 +723,9 @@ class RadixCache:
         Only tokens with KV are cached: ``req.kv_indices`` must not include the last sampled
         token (it was never fed back to the model).
         """
-        token_ids = self._check_req(req)
-        kv = req.kv_indices
+        token_ids, kv = self._check_req(req)
         n = len(token_ids) - len(token_ids) % self.page_size
-        prefix_len = self.insert(token_ids[:n], kv[:n], req.extra_key)
+        prefix_len = self._insert(token_ids[:n], kv[:n], req.extra_key, slots_checked=True)
         self._free(kv[req.cache_protected_len : prefix_len] + kv[n:])
         self.dec_lock_ref(req.last_node)
         req.last_node = None
@@ -789,6 +846,8 @@ class RadixCache:
             )
         if leaves != self.evictable_leaves:
             fail("evictable-leaf set out of sync with the tree")
+        if leaves != {e[3] for e in self._evict_heap if self._is_current(e)}:
+            fail("an evictable leaf has no current entry in the eviction heap")
         if alloc is not None and not all(alloc.is_allocated(s) for s in seen):
             fail("the tree owns a slot that the allocator thinks is free")
 
