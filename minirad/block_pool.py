@@ -375,7 +375,7 @@ class KVCacheManager:
     ) -> list[BlockHash]:
         """Chained hashes of every *full* block of ``token_ids`` (a partial last block has
         none)."""
-        token_ids = as_token_ids(token_ids, "token_ids")
+        token_ids = as_token_ids(token_ids, "token_ids", plain=True)
         hashes = []
         parent = self.root_hash
         bs = self.block_size
@@ -395,7 +395,7 @@ class KVCacheManager:
         tokens. At most ``(len - 1) // block_size`` blocks hit: the last token always goes
         through the model, so a fully cached prompt recomputes its whole last block. A pure
         lookup: no reference changes (``allocate_slots`` claims the blocks)."""
-        token_ids = as_token_ids(token_ids, "token_ids")
+        token_ids = as_token_ids(token_ids, "token_ids", plain=True)
         if not self.enable_caching:  # no lookup, no statistics (as vLLM)
             return [], 0
         blocks: list[KVCacheBlock] = []
@@ -439,7 +439,7 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}"
             )
-        token_ids = as_token_ids(token_ids, "token_ids")
+        token_ids = as_token_ids(token_ids, "token_ids", plain=True)
         blocks = self.req_to_blocks.get(request_id, [])
         if new_computed_blocks and blocks:
             raise InvalidArgumentError("prefix hits are only claimed by a new request")

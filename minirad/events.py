@@ -352,7 +352,8 @@ def save_events(events: Iterable[Event], path: str | Path) -> None:
     """Write one JSON object per line."""
     with open(path, "w", encoding="utf-8") as f:
         for event in events:
-            f.write(json.dumps(event.to_dict(), separators=(",", ":")) + "\n")
+            # default=int: token ids may be numpy integers (the caches accept them as keys).
+            f.write(json.dumps(event.to_dict(), separators=(",", ":"), default=int) + "\n")
 
 
 def load_events(path: str | Path) -> list[Event]:

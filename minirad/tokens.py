@@ -1,8 +1,8 @@
 """Validation of token-id sequences, shared by the radix tree and the block cache.
 
-Cache keys must be plain Python ints >= 0: numpy or torch scalars would hash, print and
-serialise differently from ints (a block hash would change from call to call, a JSON event log
-would fail to write), and a negative id can never be a real token.
+Cache keys must be integers >= 0: a negative id can never be a real token, and a float or a
+string is a caller's bug. Tensors and arrays become lists; block hashing asks for plain Python
+ints, since a numpy scalar pickles (and so hashes) differently from the int it equals.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from .errors import InvalidKeyError
 __all__ = ["as_token_ids"]
 
 
-def as_token_ids(ids: Sequence[int], name: str = "key") -> list[int]:
-    """``ids`` as a new list of Python ints >= 0 (lists, tuples, numpy arrays and torch
-    tensors are accepted).
+def as_token_ids(ids: Sequence[int], name: str = "key", plain: bool = False) -> list[int]:
+    """``ids`` as a list of ints >= 0 (lists, tuples, numpy arrays and torch tensors accepted).
+
+    A list is checked and returned as is (no copy: the caches only ever store slices of it),
+    unless ``plain`` asks for a new list of Python ints, as hashing needs (a numpy scalar
+    pickles differently from the int it equals).
 
     Raises:
         InvalidKeyError: ``ids`` is not a sequence of integers >= 0 (and < 2**64).
@@ -27,11 +30,11 @@ def as_token_ids(ids: Sequence[int], name: str = "key") -> list[int]:
     try:
         # An unsigned C array type-checks every element at C speed: floats, strings and None
         # raise TypeError, negative ids OverflowError; tolist() gives back plain ints.
-        return array("Q", ids).tolist()
+        checked = array("Q", ids)
     except (TypeError, OverflowError):
-        pass
-    try:
-        bad = next((t for t in ids if not isinstance(t, int) or t < 0), ids)
-    except TypeError:  # not iterable at all
-        bad = ids
-    raise InvalidKeyError(f"{name} must be a sequence of ints >= 0, got {bad!r}") from None
+        try:
+            bad = next((t for t in ids if not isinstance(t, int) or t < 0), ids)
+        except TypeError:  # not iterable at all
+            bad = ids
+        raise InvalidKeyError(f"{name} must be a sequence of ints >= 0, got {bad!r}") from None
+    return ids if type(ids) is list and not plain else checked.tolist()
