@@ -46,3 +46,9 @@ class ImageError(MiniradError, ValueError):
 class UnsupportedModelError(MiniradError, ValueError):
     """A model's architecture, or a feature of its config, is not one minirad's paged decoder
     implements (the message names the supported ones)."""
+
+
+class RequestError(MiniradError, ValueError):
+    """A generation request the engine cannot serve: an empty prompt, a prompt longer than
+    the model's context, ``max_new_tokens < 1``, bad sampling parameters, or a request that
+    could never fit in the KV pool. Raised by the engine before the request is queued."""

@@ -1,0 +1,91 @@
+"""The encoder cache: image features keyed by image hash, so the vision tower runs once per
+distinct image (vLLM's ``EncoderCacheManager``, ``vllm/v1/core/encoder_cache_manager.py``).
+
+The radix tree saves the *decoder's* work on an image (its KV); this cache saves the *vision
+tower's* work. They are complementary: a new request whose prompt shares an image with an
+earlier one but not the text before it (``A <img>`` vs ``B <img>``) cannot reuse KV (the
+positions and context differ) but reuses the features. And a request whose cached prefix
+already covers an image needs no features for it at all: the engine asks this cache only for
+images that overlap the tokens it computes.
+
+Capacity is in feature rows (= placeholder tokens), least recently used out first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["EncoderCache"]
+
+
+class EncoderCache:
+    """Image features by ``mm_hash``, LRU, at most ``capacity`` rows in total.
+
+    Args:
+        capacity: feature rows (tokens) kept; 0 keeps nothing (every use runs the encoder).
+
+    Attributes:
+        num_encoder_calls: times the encoder ran (misses).
+        num_hits: times features came from the cache (encoder calls saved).
+        num_evictions: entries dropped to make room.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        if not isinstance(capacity, int) or capacity < 0:
+            raise InvalidArgumentError(f"capacity must be an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._rows = 0
+        self.num_encoder_calls = 0
+        self.num_hits = 0
+        self.num_evictions = 0
+
+    def get_or_compute(self, mm_hash: str, encode: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The features of image ``mm_hash``: cached, or ``encode()`` (then cached).
+
+        Args:
+            encode: returns ``[num_tokens, hidden]`` features; called at most once here.
+        """
+        feats = self._entries.get(mm_hash)
+        if feats is not None:
+            self._entries.move_to_end(mm_hash)
+            self.num_hits += 1
+            return feats
+        feats = encode()
+        self.num_encoder_calls += 1
+        rows = feats.shape[0]
+        if rows <= self.capacity:
+            while self._rows + rows > self.capacity:
+                _, old = self._entries.popitem(last=False)
+                self._rows -= old.shape[0]
+                self.num_evictions += 1
+            self._entries[mm_hash] = feats
+            self._rows += rows
+        return feats
+
+    def __contains__(self, mm_hash: str) -> bool:
+        return mm_hash in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_rows(self) -> int:
+        """Feature rows held now."""
+        return self._rows
+
+    def clear(self) -> None:
+        """Drop every entry (counters stay)."""
+        self._entries.clear()
+        self._rows = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"EncoderCache(entries={len(self)}, rows={self._rows}/{self.capacity}, "
+            f"calls={self.num_encoder_calls}, hits={self.num_hits})"
+        )

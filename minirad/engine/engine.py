@@ -1,0 +1,370 @@
+"""LLMEngine: requests in, tokens out, through the radix cache and our paged decoder.
+
+The parts, each in its own module (nano-vllm's ``LLMEngine`` layout, vLLM's names)::
+
+    GenerateRequest --InputProcessor--> Request --Scheduler.add_request--> waiting queue
+    step():  Scheduler.schedule()            which requests, how many tokens, which KV slots
+             ModelRunner.execute_model()     one ForwardBatch, image features from the
+                                             EncoderCache, PagedVLM -> logits
+             sample()                        greedy / temperature / top-k / top-p, per request
+             Scheduler.update_from_output()  append tokens, stop, cache in the radix tree
+    -> RequestOutput (token ids, text, finish reason, stats)
+
+Memory: one :class:`~minirad.kv_pool.KVCache` of ``num_kv_slots`` token slots in pages of
+``page_size``; a :class:`~minirad.kv_pool.TokenToKVPoolAllocator` hands them out; the
+:class:`~minirad.radix_cache.RadixCache` keeps finished prefixes and evicts them when the
+allocator is short. All three share the engine's :class:`~minirad.events.EventBus`
+(``engine.bus``), so a subscriber sees every match, insert, lock, eviction, alloc and free.
+
+Threads: the tiny models of this course run fastest with ``torch.set_num_threads(1)``; the
+engine never changes torch's global settings, so set it in the calling program.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from ..errors import InvalidArgumentError, InvariantError, RequestError
+from ..events import EventBus
+from ..kv_pool import KVCache, TokenToKVPoolAllocator
+from ..models import PagedVLM, kv_cache_dims, load_model
+from ..radix_cache import RadixCache
+from .encoder_cache import EncoderCache
+from .model_runner import ModelRunner
+from .processing import InputProcessor
+from .request import GenerateRequest, Request, RequestOutput, SamplingParams
+from .sampling import sample
+from .scheduler import Scheduler, SchedulerConfig
+
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (nano-vllm's ``Config``).
+
+    Attributes:
+        num_kv_slots: KV pool capacity in tokens (a multiple of ``page_size``).
+        page_size: tokens per KV page (= the radix tree's page and the pool's block size).
+        max_num_seqs, max_num_batched_tokens, policy, prefix_strategy,
+            in_batch_prefix_threshold: see :class:`~minirad.engine.SchedulerConfig`.
+        max_model_len: context length in tokens; None: the text model's
+            ``max_position_embeddings``.
+        eviction_policy: the radix tree's (``"lru"``, ``"lfu"``, ``"fifo"``).
+        encoder_cache_size: image-feature rows the encoder cache keeps.
+        seed: seeds the engine's generator, which seeds sampling requests without a seed.
+    """
+
+    num_kv_slots: int = 4096
+    page_size: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    policy: str = "fcfs"
+    prefix_strategy: str = "radix"
+    in_batch_prefix_threshold: int | None = 16
+    max_model_len: int | None = None
+    eviction_policy: str = "lru"
+    encoder_cache_size: int = 4096
+    seed: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters (tokens unless named otherwise).
+
+    ``prefill_tokens`` and ``decode_tokens`` are what the model computed; ``cached_tokens``
+    what the radix tree saved; ``encoder_calls`` / ``encoder_hits`` vision-tower runs and
+    runs saved by the encoder cache.
+    """
+
+    num_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0
+    encoder_calls: int = 0
+    encoder_hits: int = 0
+
+
+class LLMEngine:
+    """A continuous-batching VLM engine with radix prefix reuse.
+
+    Args:
+        model: a supported HF VLM (:func:`~minirad.models.get_family`), e.g. from
+            :func:`~minirad.models.load_model`.
+        processor: its HF processor (``AutoProcessor``); None to serve token-id prompts
+            without images (outputs then have no text).
+        bus: the event bus shared by the tree and the allocator (a new one if None).
+        config: an :class:`EngineConfig`; keyword arguments override its fields.
+
+    Raises:
+        InvalidArgumentError: a bad setting (unknown field, pool size, policy...).
+        UnsupportedModelError: the model is not a supported family.
+
+    Example::
+
+        engine = LLMEngine(model, processor, num_kv_slots=2048, policy="lpm")
+        outs = engine.generate([GenerateRequest("<image> What is this?", [img])])
+        for out in engine.stream(GenerateRequest("Tell me more")):
+            print(out.new_text, end="")
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        processor=None,
+        *,
+        bus: EventBus | None = None,
+        config: EngineConfig | None = None,
+        **kwargs,
+    ) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        if unknown := set(kwargs) - known:
+            raise InvalidArgumentError(f"unknown engine settings {sorted(unknown)}")
+        self.config = cfg = replace(config or EngineConfig(), **kwargs)
+        text_config = model.config.text_config
+        self.max_model_len = cfg.max_model_len or text_config.max_position_embeddings
+        self.bus = bus if bus is not None else EventBus()
+        self.allocator = TokenToKVPoolAllocator(cfg.num_kv_slots, cfg.page_size, self.bus)
+        self.tree_cache = RadixCache(cfg.page_size, cfg.eviction_policy, self.allocator, self.bus)
+        self.kv_cache = KVCache(
+            num_blocks=cfg.num_kv_slots // cfg.page_size,
+            block_size=cfg.page_size,
+            dtype=model.dtype,
+            device=model.device,
+            **kv_cache_dims(model.config),
+        )
+        self.vlm = PagedVLM(model, self.kv_cache)
+        self.encoder_cache = EncoderCache(cfg.encoder_cache_size)
+        self.scheduler = Scheduler(
+            self.tree_cache,
+            SchedulerConfig(
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                policy=cfg.policy,
+                prefix_strategy=cfg.prefix_strategy,
+                in_batch_prefix_threshold=cfg.in_batch_prefix_threshold,
+                max_model_len=self.max_model_len,
+            ),
+        )
+        self.model_runner = ModelRunner(self.vlm, self.encoder_cache)
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.input_processor = InputProcessor(
+            processor,
+            image_token_id=self.vlm.image_token_id,
+            vocab_size=text_config.vocab_size,
+            image_input_names=self.vlm.family.image_input_names,
+        )
+        eos = model.generation_config.eos_token_id  # what HF generate() stops on
+        self.eos_token_ids: tuple[int, ...] = (
+            () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        )
+        self._generator = torch.Generator().manual_seed(cfg.seed)
+        self._next_rid = 0
+        self._stats = EngineStats()
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> LLMEngine:
+        """Load a model directory with :func:`~minirad.models.load_model` and build an engine
+        (``kwargs`` as in the constructor)."""
+        model, processor = load_model(path)
+        return cls(model, processor, **kwargs)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: GenerateRequest | str) -> str:
+        """Process and queue a request; it runs from the next :meth:`step`. Returns its rid.
+
+        Raises:
+            RequestError: empty prompt, prompt too long for the context, duplicate rid, bad
+                ids, or a request that could never fit in the KV pool.
+            ImageError: an image is missing or unreadable, or the images do not match the
+                prompt's placeholders.
+            Nothing is queued when it raises.
+        """
+        if isinstance(request, str):
+            request = GenerateRequest(request)
+        if not isinstance(request, GenerateRequest):
+            raise RequestError(f"expected a GenerateRequest or str, got {type(request).__name__}")
+        params = request.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling_params must be SamplingParams, got {params!r}")
+        rid = request.rid if request.rid is not None else self._new_rid()
+        if rid in self.scheduler.requests:
+            raise RequestError(f"request id {rid!r} is already in the engine")
+        processed = self.input_processor.process(request.prompt, request.images)
+        generator = None
+        if not params.greedy:
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(2**62, (), generator=self._generator))
+            generator = torch.Generator().manual_seed(seed)
+        stop = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        self.scheduler.add_request(
+            Request(
+                rid,
+                processed.prompt_token_ids,
+                params,
+                stop_token_ids=stop,
+                key_ids=processed.key_ids,
+                images=processed.images,
+                segments=processed.segments,
+                generator=generator,
+                return_logits=request.return_logits,
+            )
+        )
+        return rid
+
+    def _new_rid(self) -> str:
+        while f"req-{self._next_rid}" in self.scheduler.requests:
+            self._next_rid += 1
+        rid = f"req-{self._next_rid}"
+        self._next_rid += 1
+        return rid
+
+    def abort_request(self, rid: str) -> RequestOutput | None:
+        """Stop a request (its computed KV stays cached). Returns its final output, or None
+        if no such request is unfinished."""
+        request = self.scheduler.abort_request(rid)
+        return None if request is None else self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, update. Returns an output for every
+        request that got a token in this step (finished ones included)."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.has_unfinished_requests():  # cannot happen: guards a busy loop
+                raise InvariantError("unfinished requests but nothing could be scheduled")
+            return []
+        logits = self.model_runner.execute_model(out)
+        rows = [i for i, s in enumerate(out.scheduled) if s.sample]
+        requests = [out.scheduled[i].request for i in rows]
+        tokens = sample(
+            logits[rows], [r.sampling_params for r in requests], [r.generator for r in requests]
+        )
+        for row, request in zip(rows, requests, strict=True):
+            if request.logits is not None:
+                request.logits.append(logits[row].float().clone())
+        advanced = self.scheduler.update_from_output(out, tokens)
+        st = self._stats
+        st.num_steps += 1
+        st.prefill_tokens += out.num_prefill_tokens
+        st.decode_tokens += out.num_decode_tokens
+        st.num_finished += sum(r.is_finished for r in advanced)
+        return [self._make_output(r) for r in advanced]
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        new_ids = request.output_token_ids[request.num_sent_tokens :]
+        request.num_sent_tokens = len(request.output_token_ids)
+        text = self._decode(request.output_token_ids)
+        # Hold back a trailing replacement character: the next token may complete the UTF-8
+        # sequence it stands for (byte-level BPE), and streamed text must never be taken back.
+        if not request.is_finished and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        new_text = ""
+        if text.startswith(request.sent_text):  # text only grows (unless a tokenizer rewrites)
+            new_text, request.sent_text = text[len(request.sent_text) :], text
+        return RequestOutput(
+            rid=request.rid,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            stats=replace(request.stats),
+            logits=torch.stack(request.logits) if request.logits else None,
+        )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None or not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, requests: Iterable[GenerateRequest | str]) -> list[RequestOutput]:
+        """Run requests to completion, batched; their final outputs, in order.
+
+        Every request is validated before any is queued. Requests added earlier with
+        :meth:`add_request` advance too, but their outputs are not returned here.
+        """
+        requests = list(requests)
+        rids: list[str] = []
+        try:
+            for r in requests:
+                rids.append(self.add_request(r))
+        except Exception:
+            for rid in rids:
+                self.scheduler.abort_request(rid)
+            raise
+        wanted, done = set(rids), {}
+        while len(done) < len(rids):
+            for out in self.step():
+                if out.finished and out.rid in wanted:
+                    done[out.rid] = out
+        return [done[rid] for rid in rids]
+
+    def stream(self, request: GenerateRequest | str) -> Iterator[RequestOutput]:
+        """Run one request, yielding an output (``new_token_ids``, ``new_text``) for every
+        token as soon as it is sampled; the last has ``finished`` set. Closing the iterator
+        early aborts the request. Other queued requests advance in the same steps."""
+        rid = self.add_request(request)
+        finished = False
+        try:
+            while not finished:
+                for out in self.step():
+                    if out.rid == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.scheduler.abort_request(rid)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters."""
+        return replace(
+            self._stats,
+            cached_tokens=self.scheduler.num_cached_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            encoder_calls=self.encoder_cache.num_encoder_calls,
+            encoder_hits=self.encoder_cache.num_hits,
+        )
+
+    def check_invariants(self) -> None:
+        """Tree, locks and slot accounting (:meth:`Scheduler.check_invariants`).
+
+        Raises:
+            InvariantError: on the first breach.
+        """
+        self.scheduler.check_invariants()
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the radix tree and the encoder cache (no request may be in flight).
+
+        Raises:
+            RequestError: requests are still running or waiting.
+        """
+        if self.scheduler.has_unfinished_requests():
+            raise RequestError("cannot reset the prefix cache while requests are in flight")
+        self.tree_cache.reset()
+        self.encoder_cache.clear()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"LLMEngine(family={self.vlm.family.model_type!r}, num_kv_slots={c.num_kv_slots}, "
+            f"page_size={c.page_size}, policy={c.policy!r}, prefix_strategy={c.prefix_strategy!r}"
+            f", running={len(self.scheduler.running)}, waiting={len(self.scheduler.waiting)})"
+        )

@@ -1,0 +1,217 @@
+"""Input processing: a prompt and its images -> token ids, radix key, per-image inputs.
+
+What SGLang's tokenizer manager and vLLM's input processor do before a request reaches the
+scheduler:
+
+1. Text goes through the model's own Hugging Face processor, which expands each image
+   placeholder (``"<image>"``) into as many placeholder tokens as the image has features.
+2. Each image is loaded, hashed (:func:`minirad.multimodal.hash_image`: pixels + the image
+   processor's parameters) and preprocessed on its own. The processor tells how many
+   placeholders it takes; its pixel inputs wait for the vision tower, which runs only when a
+   prefill chunk needs the features (and only once per hash: :mod:`.encoder_cache`).
+3. Placeholders are assigned to images in order, and the radix key gets each image's pad id
+   (>= vocab size, :func:`minirad.multimodal.pad_value`) at its placeholders, as SGLang's
+   ``pad_input_ids`` does. One image may own several placeholder runs (Idefics3 splits a large
+   image into tiles, each a run), so assignment is per position, not per run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from ..errors import ImageError, RequestError
+from ..multimodal import hash_image, pad_value
+
+__all__ = ["ImageItem", "ImageSegment", "InputProcessor", "ProcessedPrompt", "load_image"]
+
+
+@dataclass(frozen=True, eq=False)
+class ImageItem:
+    """One image of a prompt.
+
+    Attributes:
+        mm_hash: :func:`~minirad.multimodal.hash_image` of the pixels and preprocessing.
+        pad_value: the id its placeholders get in the radix key.
+        num_tokens: its placeholder tokens (= rows of its features).
+        pixel_inputs: the processor's tensors for this image alone (``pixel_values``, ...).
+    """
+
+    mm_hash: str
+    pad_value: int
+    num_tokens: int
+    pixel_inputs: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ImageSegment:
+    """A maximal run of one image's placeholders: prompt positions
+    ``offset .. offset + length - 1`` take feature rows ``row .. row + length - 1`` of image
+    ``image_index``."""
+
+    offset: int
+    length: int
+    image_index: int
+    row: int
+
+
+@dataclass
+class ProcessedPrompt:
+    """The result of :meth:`InputProcessor.process`."""
+
+    prompt_token_ids: list[int]
+    key_ids: list[int]
+    images: list[ImageItem]
+    segments: list[ImageSegment]
+
+
+def load_image(image: Image.Image | str | os.PathLike) -> Image.Image:
+    """A decoded PIL image from an image or a file path.
+
+    Raises:
+        ImageError: not an image or a path; missing, unreadable or truncated file.
+    """
+    if isinstance(image, Image.Image):
+        return image
+    if not isinstance(image, str | os.PathLike):
+        raise ImageError(f"expected a PIL image or a path, got {type(image).__name__}")
+    try:
+        img = Image.open(image)
+        img.load()  # decode now: a truncated file fails here, not in the middle of a step
+    except (OSError, ValueError) as e:
+        raise ImageError(f"cannot read image {os.fspath(image)!r}: {e}") from e
+    return img
+
+
+class InputProcessor:
+    """Turns ``(prompt, images)`` into a :class:`ProcessedPrompt`.
+
+    Args:
+        processor: the model's HF processor (``AutoProcessor``, from
+            :func:`~minirad.models.load_model`), or None to accept only token-id prompts
+            without images.
+        image_token_id: the placeholder id (``model.config.image_token_id``).
+        vocab_size: the text model's vocabulary size: prompt ids must be below it, pad ids
+            are at or above it.
+        image_input_names: the processor outputs the vision tower takes
+            (:attr:`~minirad.models.VLMFamily.image_input_names`).
+    """
+
+    max_cached_images = 256  # preprocessed images kept by hash
+
+    def __init__(
+        self,
+        processor,
+        image_token_id: int,
+        vocab_size: int,
+        image_input_names: Sequence[str] = ("pixel_values",),
+    ) -> None:
+        self.processor = processor
+        self.image_token_id = image_token_id
+        self.vocab_size = vocab_size
+        self.image_input_names = tuple(image_input_names)
+        image_processor = getattr(processor, "image_processor", None)
+        # Part of every image hash: the same file preprocessed differently is another image.
+        self.preprocess_params = image_processor.to_dict() if image_processor else {}
+        self.image_token = getattr(processor, "image_token", "<image>")
+        self._items: OrderedDict[str, ImageItem] = OrderedDict()  # by mm_hash, LRU
+
+    def process(
+        self, prompt: str | Sequence[int], images: Sequence[Image.Image | str | os.PathLike] = ()
+    ) -> ProcessedPrompt:
+        """Token ids, radix key and image items of one prompt.
+
+        Raises:
+            RequestError: empty prompt, ids outside the vocabulary, text without a processor.
+            ImageError: an image cannot be read, or the images do not match the prompt's
+                placeholders (too many, too few).
+        """
+        if isinstance(images, Image.Image | str | os.PathLike):
+            images = [images]  # one image passed bare
+        pil_images = [load_image(im) for im in images]
+        if pil_images and self.processor is None:
+            raise RequestError("images need the model's processor (engine built without one)")
+        items = [self._process_image(im) for im in pil_images]
+        ids = self._prompt_ids(prompt, pil_images)
+        segments = self._assign_placeholders(ids, items)
+        key = list(ids)
+        for seg in segments:  # SGLang's pad_input_ids, per image rather than per run
+            pad = items[seg.image_index].pad_value
+            key[seg.offset : seg.offset + seg.length] = [pad] * seg.length
+        return ProcessedPrompt(ids, key, items, segments)
+
+    def _prompt_ids(self, prompt, images: list[Image.Image]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("empty prompt")
+            if self.processor is None:
+                raise RequestError("a text prompt needs the model's processor")
+            try:
+                out = self.processor(text=prompt, images=images or None, return_tensors="pt")
+            except ValueError as e:  # HF: "<image> tokens ... should be the same as images"
+                raise ImageError(f"the processor rejected the prompt and images: {e}") from e
+            return out["input_ids"][0].tolist()
+        try:
+            ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"prompt must be a str or a sequence of token ids: {e}") from e
+        if not ids:
+            raise RequestError("empty prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise RequestError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
+        return ids
+
+    def _process_image(self, image: Image.Image) -> ImageItem:
+        """Hash one image and preprocess it alone; the processor says how many placeholder
+        tokens it expands to (the count depends on the image size for some families). The
+        result is kept by hash (vLLM's processor cache): a course asks many questions about
+        one picture."""
+        mm_hash = hash_image(image, **self.preprocess_params)
+        item = self._items.get(mm_hash)
+        if item is not None:
+            self._items.move_to_end(mm_hash)
+            return item
+        try:
+            out = self.processor(text=self.image_token, images=[image], return_tensors="pt")
+        except (ValueError, OSError) as e:
+            raise ImageError(f"the processor cannot preprocess an image: {e}") from e
+        num_tokens = int((out["input_ids"][0] == self.image_token_id).sum())
+        if num_tokens == 0:
+            raise ImageError("the processor expanded an image into no placeholder tokens")
+        pixel_inputs = {k: out[k] for k in self.image_input_names if k in out}
+        item = ImageItem(mm_hash, pad_value(mm_hash, self.vocab_size), num_tokens, pixel_inputs)
+        self._items[mm_hash] = item
+        if len(self._items) > self.max_cached_images:
+            self._items.popitem(last=False)
+        return item
+
+    def _assign_placeholders(self, ids: list[int], items: list[ImageItem]) -> list[ImageSegment]:
+        """Give the first ``items[0].num_tokens`` placeholders to image 0, the next ones to
+        image 1, and so on; cut each image's positions into maximal runs.
+
+        Raises:
+            ImageError: the placeholder count differs from what the images need.
+        """
+        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        need = sum(it.num_tokens for it in items)
+        if len(positions) != need:
+            raise ImageError(
+                f"prompt has {len(positions)} image placeholder tokens but its {len(items)} "
+                f"image(s) need {need}"
+            )
+        segments: list[ImageSegment] = []
+        start = 0
+        for index, item in enumerate(items):
+            mine = positions[start : start + item.num_tokens]
+            start += item.num_tokens
+            run = 0  # index in `mine` (= feature row) where the current run began
+            for i in range(1, len(mine) + 1):
+                if i == len(mine) or mine[i] != mine[i - 1] + 1:
+                    segments.append(ImageSegment(mine[run], i - run, index, run))
+                    run = i
+        return segments

@@ -1,0 +1,300 @@
+"""A generation request: what the user asks for, the engine's state of it, and what comes back.
+
+Three objects, as in vLLM v1 (``vllm/v1/request.py``, ``vllm/outputs.py``) and SGLang
+(``GenerateReqInput``, ``Req`` in ``managers/schedule_batch.py``):
+
+- :class:`GenerateRequest` + :class:`SamplingParams`: the user's input (prompt, images,
+  how to sample, when to stop).
+- :class:`Request`: the engine's state of one request while it lives: its token ids, its
+  radix-cache :class:`~minirad.radix_cache.Req` (KV slots, locked prefix), how many tokens
+  have KV (``num_computed_tokens``), its :class:`RequestStatus`.
+- :class:`RequestOutput`: what the engine returns after each step that produced a token.
+
+Lifecycle::
+
+    WAITING --schedule--> RUNNING --stop token / max_new_tokens / context--> FINISHED_*
+       ^                     |
+       +------ PREEMPTED <---+  (out of KV slots: KV released, recomputed later)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+from ..errors import RequestError
+from ..radix_cache import Req
+from .processing import ImageItem, ImageSegment
+
+__all__ = [
+    "GenerateRequest",
+    "Request",
+    "RequestOutput",
+    "RequestStats",
+    "RequestStatus",
+    "SamplingParams",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop (vLLM / SGLang ``SamplingParams``).
+
+    Attributes:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it before
+            sampling.
+        top_k: keep only the ``top_k`` most likely tokens (0: all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches
+            ``top_p`` (nucleus sampling; 1.0: all).
+        seed: seeds this request's own ``torch.Generator``, so its samples do not depend on
+            the other requests in the batch. None: the engine draws a seed from its own.
+        max_new_tokens: stop after this many generated tokens (>= 1).
+        stop_token_ids: stop after generating one of these (the stop token is kept in the
+            output ids, as HF ``generate`` does). None: the model's EOS
+            (``generation_config.eos_token_id``); ``()``: never stop on a token.
+
+    Raises:
+        RequestError: a parameter is out of range.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 16
+    stop_token_ids: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise RequestError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise RequestError(f"seed must be an int or None, got {self.seed!r}")
+        if self.stop_token_ids is not None:
+            ids = tuple(self.stop_token_ids)
+            if not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise RequestError(f"stop_token_ids must be ints >= 0, got {ids!r}")
+            object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request as the user writes it (SGLang's ``GenerateReqInput``).
+
+    Attributes:
+        prompt: text (run through the model's processor, which expands each image
+            placeholder such as ``"<image>"``), or token ids that already contain the
+            expanded placeholders (as the processor returns them).
+        images: PIL images or paths to image files, one per image in the prompt, in order.
+        sampling_params: see :class:`SamplingParams` (greedy, 16 tokens by default).
+        rid: request id; the engine makes one if None.
+        return_logits: keep the raw next-token logits of every generated token
+            (``RequestOutput.logits``), e.g. to compare with HF's ``output_logits``.
+    """
+
+    prompt: str | Sequence[int]
+    images: Sequence[Image.Image | str | os.PathLike] = ()
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    return_logits: bool = False
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its lifecycle (vLLM v1 ``RequestStatus``)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"``, ``"abort"`` or None (not finished)."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestStats:
+    """Per-request counters, in tokens.
+
+    Attributes:
+        prompt_tokens: prompt length, image placeholders included.
+        cached_tokens: tokens whose KV came from the radix tree (summed over admissions: a
+            preempted request that is readmitted matches again).
+        prefill_tokens: tokens computed in prefill steps (prompt chunks, and the recompute of
+            a preempted request). Without preemption, ``cached + prefill == prompt``.
+        decode_tokens: tokens computed one at a time after the prompt (decode steps).
+        num_preemptions: how often the request lost its KV to make room.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Request:
+    """The engine's state of one request (vLLM v1 ``Request``, SGLang ``Req``).
+
+    Token ids exist in two forms. ``prompt_token_ids`` are what the model embeds: each image
+    placeholder is ``image_token_id``. ``req.origin_input_ids`` is the radix-cache key: each
+    placeholder of an image is replaced by that image's pad id (>= vocab size,
+    :func:`minirad.multimodal.pad_value`), so different images fork the tree at their first
+    placeholder. Generated ids are shared by both (``req.output_ids``).
+
+    KV bookkeeping lives in ``req`` (:class:`~minirad.radix_cache.Req`): ``req.kv_indices``
+    holds one KV slot per token that has (or, once this step's forward runs, will have) its
+    K/V in the pool, so ``num_computed_tokens == len(req.kv_indices)``; the scheduler grows
+    it when it schedules tokens, as vLLM advances ``num_computed_tokens`` at schedule time.
+
+    Args:
+        rid: request id.
+        prompt_token_ids: the prompt, placeholders as ``image_token_id``.
+        sampling_params: see :class:`SamplingParams`.
+        stop_token_ids: resolved stop ids (the engine fills in the model's EOS).
+        key_ids: the radix key of the prompt (pad ids for images); ``prompt_token_ids`` if
+            None (a text-only prompt).
+        images, segments: the prompt's images and where their placeholders sit
+            (:mod:`minirad.engine.processing`).
+        generator: the request's sampling RNG (None for greedy).
+        return_logits: keep each generated token's logits in ``logits``.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        key_ids: Sequence[int] | None = None,
+        images: Sequence[ImageItem] = (),
+        segments: Sequence[ImageSegment] = (),
+        generator: torch.Generator | None = None,
+        return_logits: bool = False,
+    ) -> None:
+        self.rid = rid
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.stop_token_ids = frozenset(stop_token_ids)
+        key = self.prompt_token_ids if key_ids is None else list(key_ids)
+        if len(key) != len(self.prompt_token_ids):
+            raise RequestError(f"key has {len(key)} ids for {len(self.prompt_token_ids)} tokens")
+        self.req = Req(rid, key)
+        self.images = list(images)
+        self.segments = list(segments)
+        self.generator = generator
+        self.logits: list[torch.Tensor] | None = [] if return_logits else None
+        self.status = RequestStatus.WAITING
+        self.stats = RequestStats(prompt_tokens=len(self.prompt_token_ids))
+        self.sent_text = ""  # text already returned (for streaming deltas)
+        self.num_sent_tokens = 0
+
+    # ------------------------------------------------------------------ token views
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.req.output_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + generated ids, as the model embeds them."""
+        return self.prompt_token_ids + self.req.output_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens so far."""
+        return len(self.prompt_token_ids) + len(self.req.output_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens with a KV slot (cached prefix + computed or scheduled this step)."""
+        return len(self.req.kv_indices)
+
+    @property
+    def first_image_offset(self) -> int | None:
+        """Position of the first image placeholder, or None for a text-only prompt."""
+        return self.segments[0].offset if self.segments else None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # ------------------------------------------------------------------ generation
+    def append_output_token_id(self, token_id: int, max_model_len: int) -> None:
+        """Record a sampled token and finish the request if it should stop (vLLM's
+        ``check_stop``): a stop token, ``max_new_tokens`` reached, or the context full."""
+        self.req.output_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif (
+            len(self.req.output_ids) >= self.sampling_params.max_new_tokens
+            or self.num_tokens >= max_model_len
+        ):
+            self.status = RequestStatus.FINISHED_LENGTH
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(rid={self.rid!r}, status={self.status.value}, prompt={self.num_prompt_tokens}"
+            f", output={len(self.req.output_ids)}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """A request's output after a step (vLLM ``RequestOutput``, flattened).
+
+    Attributes:
+        rid: request id.
+        prompt_token_ids: the prompt as the model saw it (placeholders expanded).
+        token_ids: every generated token so far (a stop token included).
+        text: ``token_ids`` decoded, special tokens skipped ("" without a tokenizer).
+        new_token_ids, new_text: what this step added (for streaming).
+        finished: no more tokens will come.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None.
+        stats: the request's :class:`RequestStats` (a snapshot).
+        logits: ``[len(token_ids), vocab]`` raw next-token logits (fp32), if asked for.
+    """
+
+    rid: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stats: RequestStats
+    logits: torch.Tensor | None = None

@@ -1,0 +1,466 @@
+"""The scheduler: which requests run in the next step, with how many tokens, in which slots.
+
+Continuous batching, as in vLLM v1 (``vllm/v1/core/sched/scheduler.py``) and nano-vllm
+(``engine/scheduler.py``), with SGLang's radix cache for prefix reuse
+(``managers/schedule_policy.py``, ``mem_cache/radix_cache.py``). There is no separate
+"prefill phase" and "decode phase": every request has ``num_tokens`` (prompt + generated)
+and ``num_computed_tokens`` (tokens with KV), and each step gives it up to
+``num_tokens - num_computed_tokens`` new tokens within a token budget. A decode is the case
+of one token; a prefill chunk, a cached-prefix remainder and the recompute of a preempted
+request are the others. All of them go into ONE forward batch.
+
+One step of :meth:`Scheduler.schedule`:
+
+1. Running requests, oldest first, each get their tokens and KV slots. Slots come from the
+   allocator; when it is short, unlocked leaves are evicted from the radix tree; when that is
+   not enough, the newest running request is *preempted*: its computed KV goes into the tree
+   (where it stays reusable until evicted) and it returns to the front of the waiting queue,
+   to be recomputed later. Its output so far is kept, so the result does not change.
+2. If nothing was preempted, waiting requests are admitted (``fcfs``: arrival order;
+   ``lpm``: longest cached prefix first). Each is matched against the tree
+   (``match_prefix_for_req``: locks the prefix, the ``len - 1`` rule) and needs slots only for
+   the rest. A request whose prompt shares a not-yet-cached prefix with a request computed in
+   this same step is deferred one step (SGLang's in-batch prefix caching): after this step the
+   prefix is in the tree (``cache_unfinished_req``) and it is computed once, not twice.
+
+Prefix strategies (chapter 05 compares them): ``"radix"`` matches the whole key, whose image
+placeholders are per-image pad ids; ``"truncate"`` reuses only the text before the first
+image; ``"none"`` reuses nothing (the tree stays empty).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgumentError, InvariantError, RequestError
+from ..radix_cache import RadixCache
+from .request import Request, RequestStatus
+
+__all__ = [
+    "POLICIES",
+    "PREFIX_STRATEGIES",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+]
+
+POLICIES = ("fcfs", "lpm")
+PREFIX_STRATEGIES = ("radix", "truncate", "none")
+# Above this many waiting requests, lpm falls back to fcfs: matching every waiting prompt
+# each step would cost more than it saves (SGLang's schedule_policy does the same at 128).
+LPM_MAX_QUEUE = 128
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler limits and policies.
+
+    Attributes:
+        max_num_seqs: most running requests at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes); a
+            prompt longer than what is left is cut into chunks (chunked prefill). None: no
+            limit, every prompt in one piece.
+        policy: ``"fcfs"`` or ``"lpm"`` (longest prefix match first).
+        prefix_strategy: ``"radix"``, ``"truncate"`` or ``"none"`` (module docstring).
+        in_batch_prefix_threshold: defer a waiting request when a request computed in this
+            step would give it at least this many more cached tokens next step. None: off.
+        max_model_len: the model's context, in tokens (prompt + output).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    policy: str = "fcfs"
+    prefix_strategy: str = "radix"
+    in_batch_prefix_threshold: int | None = 16
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        def positive(name: str, v: object, optional: bool = False) -> None:
+            if optional and v is None:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+
+        positive("max_num_seqs", self.max_num_seqs)
+        positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
+        positive("in_batch_prefix_threshold", self.in_batch_prefix_threshold, optional=True)
+        positive("max_model_len", self.max_model_len)
+        if self.policy not in POLICIES:
+            raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.prefix_strategy not in PREFIX_STRATEGIES:
+            raise InvalidArgumentError(
+                f"prefix_strategy must be one of {PREFIX_STRATEGIES}, got {self.prefix_strategy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens ``start .. start + num_tokens - 1``.
+
+    Attributes:
+        is_prefill: False only for a decode (the one token sampled last step).
+        sample: the chunk reaches the request's last token, so the step samples a new one.
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    is_prefill: bool
+    sample: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What :meth:`Scheduler.schedule` decided for one step.
+
+    Attributes:
+        scheduled: the requests in this step's forward batch, in batch order.
+        preempted: running requests that lost their KV this step.
+        deferred: waiting requests held back because a request in this step computes
+            their prefix (in-batch prefix caching).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    deferred: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
+
+
+class Scheduler:
+    """Waiting and running queues over a radix cache and its slot allocator.
+
+    Args:
+        tree_cache: the :class:`~minirad.radix_cache.RadixCache`; it must have a
+            ``token_to_kv_pool_allocator`` (the slots of the KV pool).
+        config: see :class:`SchedulerConfig`.
+
+    The engine calls :meth:`add_request`, then per step :meth:`schedule`, runs the model,
+    and hands the sampled tokens to :meth:`update_from_output`.
+    """
+
+    def __init__(self, tree_cache: RadixCache, config: SchedulerConfig | None = None) -> None:
+        if tree_cache.token_to_kv_pool_allocator is None:
+            raise InvalidArgumentError("the scheduler needs a tree cache with an allocator")
+        self.tree_cache = tree_cache
+        self.allocator = tree_cache.token_to_kv_pool_allocator
+        self.page_size = tree_cache.page_size
+        self.config = config if config is not None else SchedulerConfig()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by rid
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # tokens admitted requests found in the tree
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            RequestError: duplicate rid; the prompt does not leave room for one output token
+                in ``max_model_len``; or its largest KV footprint exceeds the whole pool, so
+                it could never run even alone.
+        """
+        if request.rid in self.requests:
+            raise RequestError(f"request id {request.rid!r} is already in the engine")
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens >= max_len:
+            raise RequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
+                f"{max_len} (prompt + at least one output token)"
+            )
+        pages = math.ceil(self._max_kv_tokens(request) / self.page_size)
+        if pages > self.allocator.num_pages:
+            raise RequestError(
+                f"request needs up to {self._max_kv_tokens(request)} KV slots "
+                f"({pages} pages); the pool has {self.allocator.num_pages} pages"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.rid] = request
+
+    def _max_kv_tokens(self, request: Request) -> int:
+        """Most tokens the request ever has KV for: every token but the last sampled one."""
+        total = request.num_prompt_tokens + request.sampling_params.max_new_tokens
+        return min(total, self.config.max_model_len) - 1
+
+    def abort_request(self, rid: str) -> Request | None:
+        """Stop a request now; its computed KV stays in the tree. Returns it (None if no
+        such unfinished request)."""
+        request = self.requests.pop(rid, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release(request, insert=True)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and tokens, and give them KV slots (module docstring).
+
+        Each scheduled request's ``req.kv_indices`` grows by its new tokens' slots, so its
+        ``num_computed_tokens`` already counts them (vLLM does the same).
+        """
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens or math.inf
+        # The prefixes computed in this step, in a simulated radix tree (no KV, no events on
+        # the engine's bus): SGLang's waiting_queue_radix_tree for in-batch prefix caching.
+        in_batch = None
+        if self.waiting and cfg.in_batch_prefix_threshold and cfg.prefix_strategy != "none":
+            in_batch = RadixCache(page_size=self.page_size)
+
+        for request in list(self.running):  # oldest first
+            if budget <= 0 or request.status is not RequestStatus.RUNNING:
+                break  # out of budget, or preempted below as a victim (so are all after it)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, n, out.preempted):
+                break
+            self._add_scheduled(out, request, n, in_batch)
+            budget -= n
+
+        def can_admit() -> bool:
+            return bool(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs
+
+        if not out.preempted and can_admit():  # vLLM: no new requests after a preemption
+            if cfg.policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
+                self._sort_waiting_by_prefix_match()
+            while can_admit():
+                request = self.waiting.popleft()
+                self._match_prefix(request)
+                if in_batch is not None and self._shares_in_batch(request, in_batch):
+                    self._release(request, insert=False)
+                    out.deferred.append(request)
+                    continue
+                n = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self._allocate(request, n):
+                    self._release(request, insert=False)
+                    self.waiting.appendleft(request)
+                    break  # head-of-line: later requests do not jump a request short of memory
+                request.stats.cached_tokens += request.req.cache_protected_len
+                self.num_cached_tokens += request.req.cache_protected_len
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self._add_scheduled(out, request, n, in_batch)
+                budget -= n
+            self.waiting.extendleft(reversed(out.deferred))  # they keep their place
+        return out
+
+    def _add_scheduled(
+        self, out: SchedulerOutput, request: Request, n: int, in_batch: RadixCache | None
+    ) -> None:
+        end = request.num_computed_tokens  # already grown by n
+        start = end - n
+        # A decode computes exactly the one token sampled last step (past the prompt).
+        is_decode = n == 1 and request.num_prompt_tokens <= start == request.num_tokens - 1
+        out.scheduled.append(
+            ScheduledRequest(request, start, n, not is_decode, end == request.num_tokens)
+        )
+        if in_batch is not None and not is_decode:
+            in_batch.insert(request.req.fill_ids[:end])
+
+    def _shares_in_batch(self, request: Request, in_batch: RadixCache) -> bool:
+        ahead = len(in_batch.match_prefix(self._prefix_key(request)).indices)
+        return ahead - request.num_computed_tokens >= self.config.in_batch_prefix_threshold
+
+    def _sort_waiting_by_prefix_match(self) -> None:
+        """lpm: waiting requests with the longest cached prefix first (stable for ties)."""
+        match_len = {
+            r.rid: len(self.tree_cache.match_prefix(self._prefix_key(r)).indices)
+            for r in self.waiting
+        }
+        self.waiting = deque(sorted(self.waiting, key=lambda r: -match_len[r.rid]))
+
+    # ------------------------------------------------------------------ prefix and KV
+    def _prefix_key(self, request: Request) -> list[int]:
+        """The part of the request's key that may come from the cache."""
+        fill = request.req.fill_ids
+        cap = len(fill) - 1  # the last token is always computed: its logits are needed
+        strategy = self.config.prefix_strategy
+        if strategy == "none":
+            cap = 0
+        elif strategy == "truncate" and request.first_image_offset is not None:
+            cap = min(cap, request.first_image_offset)
+        return fill[:cap]
+
+    def _match_prefix(self, request: Request) -> None:
+        """Match and lock the request's cached prefix; its KV slots start as the prefix's."""
+        req = request.req
+        if self.config.prefix_strategy == "radix":
+            self.tree_cache.match_prefix_for_req(req)
+            return
+        # match_prefix_for_req with a shorter cap: the same steps, spelled out.
+        indices, node = self.tree_cache.match_prefix(self._prefix_key(request))
+        self.tree_cache.inc_lock_ref(node)
+        req.prefix_indices = indices
+        req.kv_indices = list(indices)
+        req.last_node = node
+        req.cache_protected_len = len(indices)
+
+    def _allocate(self, request: Request, n: int) -> bool:
+        """Give the request KV slots for its next ``n`` tokens: first the free slots of its
+        last (private, partly filled) page, then fresh pages, evicting unlocked tree leaves
+        if the allocator is short. Returns False, changing nothing, if that is not enough."""
+        kv = request.req.kv_indices
+        ps = self.page_size
+        in_page = min(-len(kv) % ps, n)
+        need = n - in_page
+        new: list[int] = []
+        if need:
+            need_slots = math.ceil(need / ps) * ps
+            short = need_slots - self.allocator.available_size()
+            if short > 0:
+                self.tree_cache.evict(short)
+            if need_slots > self.allocator.available_size():
+                return False
+            new = self.allocator.alloc(need, owner=request.rid)
+        if in_page:
+            kv.extend(range(kv[-1] + 1, kv[-1] + 1 + in_page))
+        kv.extend(new)
+        return True
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
+        """:meth:`_allocate`, preempting the newest running request until it succeeds.
+        False if the request had to preempt itself."""
+        while not self._allocate(request, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request, insert=True)
+        request.status = RequestStatus.PREEMPTED
+        request.stats.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request, insert: bool) -> None:
+        """Give up the request's KV and its lock. With ``insert``, its computed tokens go
+        into the tree first (``cache_finished_req``: the tree keeps them, evictable); without
+        (or with the ``"none"`` strategy) its private slots are simply freed."""
+        req = request.req
+        if req.last_node is None:
+            return
+        if insert and self.config.prefix_strategy != "none":
+            self.tree_cache.cache_finished_req(req)
+            return
+        self.allocator.free(req.kv_indices[req.cache_protected_len :])
+        self.tree_cache.dec_lock_ref(req.last_node)
+        req.last_node = None
+        req.kv_indices = []
+        req.prefix_indices = []
+        req.cache_protected_len = 0
+
+    # ------------------------------------------------------------------ after the forward
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[int]
+    ) -> list[Request]:
+        """Apply one step's results.
+
+        Args:
+            out: the step's :class:`SchedulerOutput`.
+            sampled_token_ids: one token per scheduled request with ``sample`` set, in order.
+
+        Returns:
+            the requests that got a new token (finished ones included, now ``FINISHED_*``,
+            their KV cached in the tree and their locks released).
+        """
+        sampled = iter(sampled_token_ids)
+        advanced = []
+        for s in out.scheduled:
+            request = s.request
+            if s.is_prefill:
+                request.stats.prefill_tokens += s.num_tokens
+            else:
+                request.stats.decode_tokens += s.num_tokens
+            if s.sample:
+                request.append_output_token_id(next(sampled), self.config.max_model_len)
+                advanced.append(request)
+            if request.is_finished:
+                self._release(request, insert=True)
+                del self.requests[request.rid]
+            elif s.is_prefill and self.config.prefix_strategy != "none":
+                # Make the computed prompt (or chunk) matchable now, for requests that share it.
+                self.tree_cache.cache_unfinished_req(request.req)
+        if any(r.is_finished for r in advanced):
+            self.running = [r for r in self.running if not r.is_finished]
+        return advanced
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Check the tree and that every KV page is accounted for exactly once.
+
+        Checked: :meth:`RadixCache.check_invariants`; every node's ``lock_ref`` equals the
+        number of running requests whose locked prefix passes through it; each running
+        request's slots are its tree prefix followed by private pages no one else holds;
+        waiting requests hold no slot or lock; allocated pages = tree pages + private pages.
+
+        Raises:
+            InvariantError: on the first breach.
+        """
+        tree, ps = self.tree_cache, self.page_size
+        tree.check_invariants()
+        root = tree.root_node
+        tree_pages = {s // ps for s in tree.all_values_flatten()}
+        locks: Counter = Counter()
+        private: set[int] = set()
+        for r in self.running:
+            req = r.req
+            if r.status is not RequestStatus.RUNNING or req.last_node is None:
+                raise InvariantError(f"{r.rid}: in the running queue without a lock")
+            node = req.last_node
+            while node is not root:
+                locks[node] += 1
+                node = node.parent
+            mine = {s // ps for s in req.kv_indices[req.cache_protected_len :]}
+            shared = {s // ps for s in req.kv_indices[: req.cache_protected_len]}
+            if not shared <= tree_pages:
+                raise InvariantError(f"{r.rid}: its cached prefix is not in the tree")
+            if mine & (tree_pages | private):
+                raise InvariantError(f"{r.rid}: a private KV page is also held by another")
+            private |= mine
+        for r in self.waiting:
+            if r.req.last_node is not None or r.req.kv_indices:
+                raise InvariantError(f"{r.rid}: waiting but holds KV slots or a lock")
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_ref != locks[node]:
+                raise InvariantError(
+                    f"node {node.id}: lock_ref {node.lock_ref}, but {locks[node]} running "
+                    f"requests hold it"
+                )
+            stack.extend(node.children.values())
+        used = self.allocator.num_pages - self.allocator.available_size() // ps
+        if used != len(tree_pages) + len(private):
+            raise InvariantError(
+                f"{used} pages allocated, but the tree holds {len(tree_pages)} and running "
+                f"requests {len(private)}"
+            )
