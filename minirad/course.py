@@ -32,3 +32,4 @@ def setup(seed: int = 0, threads: int = 1) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars would land in stderr
