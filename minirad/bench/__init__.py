@@ -3,6 +3,9 @@
 - ``radix``: replay a synthetic multi-turn chat trace through the radix cache and compare
   hit rates and throughput with no cache, every eviction policy and an infinite cache
   (:mod:`minirad.bench.radix`, trace in :mod:`minirad.bench.trace`).
+- ``engine``: the same VLM requests through Hugging Face ``generate()`` and through our engine
+  (throughput, time to first token, prefill tokens, encoder calls; answers must match)
+  (:mod:`minirad.bench.engine`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands.
@@ -14,12 +17,13 @@ import argparse
 from collections.abc import Sequence
 
 from ..errors import MiniradError
-from . import radix
+from . import engine, radix
 
 __all__ = ["build_parser", "main"]
 
 _COMMANDS = {
     "radix": (radix, "radix-cache hit rate and throughput on a multi-turn chat trace"),
+    "engine": (engine, "our engine against HF generate() on shared and unique VLM requests"),
 }
 
 

@@ -1,0 +1,424 @@
+"""Engine benchmark: the same requests through Hugging Face ``generate()`` and our engine.
+
+Both run in one process, on one model, greedy, with the same number of requests in flight:
+
+- **HF**: static batches of ``batch_size`` requests, left-padded (``model.generate`` on the
+  processor's padded batch). Each batch prefills every prompt token (padding included) and
+  encodes every image, then decodes until its longest answer ends.
+- **minirad**: every request submitted at once; the engine's continuous batching runs at most
+  ``batch_size`` of them (``max_num_seqs``); the radix cache skips prefixes it has computed
+  and the encoder cache skips images it has encoded. It runs once per prefix strategy
+  (``radix``: the whole prompt, ``none``: no reuse) to show what the tree saves.
+
+Two workloads:
+
+(a) **shared**: ``num_images`` images x ``num_questions`` questions, every prompt opening with
+    the same system prompt. The tree reuses the system prompt across all requests, and the
+    system prompt + image across the questions about one image (SGLang's few-shot /
+    multi-question case, Zheng et al. 2024, Figure 3).
+(b) **unique**: distinct images with distinct questions: only the chat template's first tokens
+    are shared, so this is the engine's overhead case.
+
+Measured: output tokens/s (the answers' tokens, stop token included, over the run's wall
+time, prompt processing included); time to first token (minirad: per request, from its
+submission to its first token, queueing included; HF: its batch's prefill, from the batch's
+start, and, for comparison, from the run's start); prefill tokens computed; vision-tower
+runs. Answers must match token for token: the report counts mismatching requests. Timings are
+only printed; a shared machine makes them noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from ..engine import PREFIX_STRATEGIES, GenerateRequest, LLMEngine, SamplingParams
+from ..errors import InvalidArgumentError
+from ..models import load_model
+from ..scenes import CAPTION_PROMPT, DEFAULT_IMAGE_SIZE, ask, random_scene, render
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "RunResult",
+    "Workload",
+    "WorkloadResult",
+    "add_arguments",
+    "default_workloads",
+    "format_report",
+    "run_cli",
+    "run_engine_benchmark",
+    "run_hf",
+    "run_minirad",
+    "shared_workload",
+    "unique_workload",
+]
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "models" / "minirad-tiny-llava"
+SYSTEM_PROMPT = "You are a careful assistant. Look at the picture and answer in one word."
+QUESTIONS = (
+    CAPTION_PROMPT,
+    "How many shapes are there?",
+    "What colour is the circle?",
+    "What colour is the square?",
+    "What colour is the triangle?",
+    "What shape is the red one?",
+    "What shape is the blue one?",
+    "Is there a green triangle?",
+)
+
+
+@dataclass
+class Workload:
+    """Requests as ``(templated prompt, images)`` pairs, with a one-line description."""
+
+    name: str
+    description: str
+    requests: list[tuple[str, list[Image.Image]]]
+
+
+def _template(processor, question: str, system_prompt: str | None) -> str:
+    """One image, then the question, in the processor's chat template (a system turn first
+    if ``system_prompt``)."""
+    if getattr(processor, "chat_template", None) is None:
+        raise InvalidArgumentError(
+            "the benchmark needs a model whose processor has a chat template"
+        )
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    messages.append({"role": "user", "content": content})
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def shared_workload(
+    processor, images: Sequence[Image.Image], questions: Sequence[str], system_prompt: str
+) -> Workload:
+    """Workload (a): every question about every image, image by image, after one shared
+    system prompt."""
+    reqs = [(_template(processor, q, system_prompt), [im]) for im in images for q in questions]
+    return Workload(
+        "shared",
+        f"{len(images)} images x {len(questions)} questions, shared system prompt",
+        reqs,
+    )
+
+
+def unique_workload(processor, images: Sequence[Image.Image], questions: Sequence[str]) -> Workload:
+    """Workload (b): image ``i`` with question ``i``, no system prompt.
+
+    Raises:
+        InvalidArgumentError: the images or questions are not distinct, or their numbers differ.
+    """
+    if len(images) != len(questions) or len(set(questions)) != len(questions):
+        raise InvalidArgumentError("unique workload: need as many distinct questions as images")
+    if len({im.tobytes() for im in images}) != len(images):
+        raise InvalidArgumentError("unique workload: images must be distinct")
+    reqs = [(_template(processor, q, None), [im]) for im, q in zip(images, questions, strict=True)]
+    return Workload("unique", f"{len(images)} distinct images, each with its own question", reqs)
+
+
+def default_workloads(
+    processor, num_images: int = 4, num_questions: int = 8, num_unique: int = 16, seed: int = 0
+) -> list[Workload]:
+    """Both workloads over scenes of :mod:`minirad.scenes` (``num_questions`` at most 8)."""
+    if not 1 <= num_questions <= len(QUESTIONS):
+        raise InvalidArgumentError(f"num_questions must be in 1..{len(QUESTIONS)}")
+    rng = random.Random(seed)
+    scenes = [random_scene(rng, DEFAULT_IMAGE_SIZE) for _ in range(num_images + num_unique)]
+    images = [render(s) for s in scenes]
+    questions: list[str] = []
+    for scene in scenes[num_images:]:  # a distinct question per scene (varying scenes, types)
+        for _ in range(100):
+            q = ask(scene, rng.choice(("shape", "exists", "relation", "where")), rng)
+            if q is not None and q.prompt not in questions:
+                questions.append(q.prompt)
+                break
+        else:
+            raise InvalidArgumentError(f"cannot draw {num_unique} distinct questions")
+    return [
+        shared_workload(processor, images[:num_images], QUESTIONS[:num_questions], SYSTEM_PROMPT),
+        unique_workload(processor, images[num_images:], questions),
+    ]
+
+
+@dataclass
+class RunResult:
+    """One system's run of one workload.
+
+    Attributes:
+        outputs: each request's generated ids (through the first stop token).
+        seconds: wall time of the whole run.
+        ttft: per request, seconds to its first token (see the module docstring).
+        ttft_from_start: per request, seconds from the run's start to its first token.
+        prefill_tokens: prompt tokens the model computed (HF: padding included).
+        encoder_calls: vision-tower runs, one per image encoded.
+        cached_tokens: prompt tokens reused from the radix tree (0 for HF).
+    """
+
+    name: str
+    outputs: list[list[int]]
+    seconds: float
+    ttft: list[float]
+    ttft_from_start: list[float]
+    prefill_tokens: int
+    encoder_calls: int
+    cached_tokens: int = 0
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per second."""
+        return self.output_tokens / self.seconds
+
+
+class _FirstTokenTimer(LogitsProcessor):
+    """Records when ``generate()`` first asks for logits processing: the prefill is done."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):
+        if self.first is None:
+            self.first = time.perf_counter()
+        return scores
+
+
+def _cut_at_stop(ids: list[int], stop: frozenset[int]) -> list[int]:
+    """``ids`` through the first stop token (HF pads finished rows after it)."""
+    for i, t in enumerate(ids):
+        if t in stop:
+            return ids[: i + 1]
+    return ids
+
+
+def _stop_ids(model) -> frozenset[int]:
+    eos = model.generation_config.eos_token_id
+    return frozenset(() if eos is None else eos if isinstance(eos, list | tuple) else (eos,))
+
+
+@torch.no_grad()
+def run_hf(model, processor, workload: Workload, batch_size: int, max_new_tokens: int) -> RunResult:
+    """HF ``generate()`` on static, left-padded batches of ``batch_size`` requests."""
+    tokenizer = processor.tokenizer
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    stop = _stop_ids(model)
+    outputs: list[list[int]] = []
+    ttft, from_start, prefill, images = [], [], 0, 0
+    try:
+        t0 = time.perf_counter()
+        for b in range(0, len(workload.requests), batch_size):
+            batch = workload.requests[b : b + batch_size]
+            start = time.perf_counter()
+            texts = [t for t, _ in batch]
+            ims = [im for _, imgs in batch for im in imgs]
+            inputs = processor(text=texts, images=ims or None, padding=True, return_tensors="pt")
+            timer = _FirstTokenTimer()
+            seqs = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([timer]),
+            )
+            n = inputs["input_ids"].shape[1]
+            outputs += [_cut_at_stop(row[n:].tolist(), stop) for row in seqs]
+            ttft += [timer.first - start] * len(batch)
+            from_start += [timer.first - t0] * len(batch)
+            prefill += inputs["input_ids"].numel()
+            images += len(ims)
+        seconds = time.perf_counter() - t0
+    finally:
+        tokenizer.padding_side = side
+    return RunResult("HF generate", outputs, seconds, ttft, from_start, prefill, images)
+
+
+def run_minirad(
+    model, processor, workload: Workload, batch_size: int, max_new_tokens: int, **engine_kwargs
+) -> RunResult:
+    """Every request submitted at once to a fresh :class:`LLMEngine` with
+    ``max_num_seqs=batch_size`` (``engine_kwargs``: other :class:`EngineConfig` fields)."""
+    engine = LLMEngine(model, processor, max_num_seqs=batch_size, **engine_kwargs)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    t0 = time.perf_counter()
+    submitted, first, outputs = {}, {}, {}
+    for text, images in workload.requests:
+        rid = engine.add_request(GenerateRequest(text, images, params))
+        submitted[rid] = time.perf_counter()
+    rids = list(submitted)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first.setdefault(out.rid, time.perf_counter())
+            if out.finished:
+                outputs[out.rid] = out.token_ids
+    seconds = time.perf_counter() - t0
+    st = engine.stats
+    strategy = engine.config.prefix_strategy
+    return RunResult(
+        f"minirad {strategy}",
+        [outputs[r] for r in rids],
+        seconds,
+        [first[r] - submitted[r] for r in rids],
+        [first[r] - t0 for r in rids],
+        st.prefill_tokens,
+        st.encoder_calls,
+        st.cached_tokens,
+    )
+
+
+@dataclass
+class WorkloadResult:
+    """HF and every minirad run of one workload."""
+
+    workload: Workload
+    batch_size: int
+    max_new_tokens: int
+    hf: RunResult
+    minirad: list[RunResult] = field(default_factory=list)
+
+    def mismatches(self, run: RunResult) -> int:
+        """Requests whose answer differs from HF's."""
+        return sum(a != b for a, b in zip(run.outputs, self.hf.outputs, strict=True))
+
+
+def run_engine_benchmark(
+    model,
+    processor,
+    workloads: Sequence[Workload],
+    batch_size: int = 8,
+    max_new_tokens: int = 16,
+    strategies: Sequence[str] = ("radix", "none"),
+    **engine_kwargs,
+) -> list[WorkloadResult]:
+    """Run every workload through HF and through the engine once per prefix strategy.
+
+    One warm-up ``generate()`` first, so that neither side pays for torch's first-call costs.
+
+    Raises:
+        InvalidArgumentError: an unknown strategy or engine setting.
+    """
+    if unknown := set(strategies) - set(PREFIX_STRATEGIES):
+        raise InvalidArgumentError(f"unknown prefix strategies {sorted(unknown)}")
+    warm = Workload("warm-up", "", workloads[0].requests[:1])
+    run_hf(model, processor, warm, 1, 2)
+    results = []
+    for w in workloads:
+        res = WorkloadResult(
+            w, batch_size, max_new_tokens, run_hf(model, processor, w, batch_size, max_new_tokens)
+        )
+        for s in strategies:
+            res.minirad.append(
+                run_minirad(
+                    model,
+                    processor,
+                    w,
+                    batch_size,
+                    max_new_tokens,
+                    prefix_strategy=s,
+                    **engine_kwargs,
+                )
+            )
+        results.append(res)
+    return results
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _cell(value: float, ref: float, fmt: str) -> str:
+    ratio = f" ({value / ref:.2f}x)" if ref else ""
+    return f"{value:{fmt}}{ratio}"
+
+
+def format_report(results: Sequence[WorkloadResult]) -> str:
+    """A table per workload: one column per system, minirad cells with their ratio to HF."""
+    blocks = []
+    for r in results:
+        runs = [r.hf, *r.minirad]
+        hf = r.hf
+        rows = [
+            ("output tokens/s", [_cell(x.throughput, hf.throughput, ".1f") for x in runs]),
+            ("TTFT mean, s", [_cell(_mean(x.ttft), _mean(hf.ttft), ".4f") for x in runs]),
+            (
+                "  from run start, s",
+                [_cell(_mean(x.ttft_from_start), _mean(hf.ttft_from_start), ".4f") for x in runs],
+            ),
+            ("prefill tokens", [_cell(x.prefill_tokens, hf.prefill_tokens, "d") for x in runs]),
+            ("cached tokens", [f"{x.cached_tokens}" for x in runs]),
+            ("encoder calls", [_cell(x.encoder_calls, hf.encoder_calls, "d") for x in runs]),
+            ("output tokens", [f"{x.output_tokens}" for x in runs]),
+            ("wall time, s", [f"{x.seconds:.3f}" for x in runs]),
+            ("mismatches vs HF", ["-"] + [f"{r.mismatches(x)}" for x in r.minirad]),
+        ]
+        names = [x.name for x in runs]
+        w0 = max(len(k) for k, _ in rows)
+        widths = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
+        lines = [
+            f"workload {r.workload.name}: {r.workload.description} "
+            f"({len(r.workload.requests)} requests, batch {r.batch_size}, "
+            f"<= {r.max_new_tokens} new tokens, greedy)",
+            " " * w0 + "".join(f"  {n:>{w}}" for n, w in zip(names, widths, strict=True)),
+        ]
+        for k, vals in rows:
+            lines.append(
+                f"{k:<{w0}}" + "".join(f"  {v:>{w}}" for v, w in zip(vals, widths, strict=True))
+            )
+        blocks.append("\n".join(lines))
+    note = (
+        "TTFT: minirad per request from submission (queueing included); HF per batch, its "
+        "prefill from the batch's start.\n"
+        "HF's prefill tokens include padding. Ratios are minirad/HF."
+    )
+    return "\n\n".join([*blocks, note])
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``engine`` subcommand's options."""
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="local model folder")
+    parser.add_argument("--images", type=_positive_int, default=4, help="workload (a) images")
+    parser.add_argument(
+        "--questions", type=_positive_int, default=8, help="workload (a) questions per image (<= 8)"
+    )
+    parser.add_argument("--unique", type=_positive_int, default=16, help="workload (b) requests")
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="requests in flight")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=16)
+    parser.add_argument("--num-kv-slots", type=_positive_int, default=4096, help="KV pool, tokens")
+    parser.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the scenes")
+    parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``python -m minirad.bench engine``: print the report; exit 1 if answers differ."""
+    if not Path(args.model).is_dir():
+        raise InvalidArgumentError(f"model folder {args.model!r} not found")
+    torch.set_num_threads(args.threads)
+    model, processor = load_model(args.model)
+    workloads = default_workloads(processor, args.images, args.questions, args.unique, args.seed)
+    results = run_engine_benchmark(
+        model,
+        processor,
+        workloads,
+        args.batch_size,
+        args.max_new_tokens,
+        num_kv_slots=args.num_kv_slots,
+        page_size=args.page_size,
+    )
+    print(format_report(results))
+    return int(any(r.mismatches(x) for r in results for x in r.minirad))

@@ -1,0 +1,108 @@
+"""Smoke test of ``python -m minirad.bench engine`` on a tiny config-built LLaVA.
+
+Small workloads; what is checked is not speed (never asserted) but that HF ``generate()`` on
+left-padded batches and our engine give the same greedy answers, that the radix cache saves
+prefill work on the shared workload, and that the report renders.
+"""
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_cli import TINY_CHAT_TEMPLATE
+from tiny_models import IMAGE_SIZE, tiny_llava, tiny_llava_processor
+
+from minirad.bench import main as bench_main
+from minirad.bench.engine import (
+    format_report,
+    run_engine_benchmark,
+    shared_workload,
+    unique_workload,
+)
+from minirad.errors import InvalidArgumentError
+
+MAX_NEW = 5
+
+
+def make_image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llava():
+    processor = tiny_llava_processor()
+    processor.chat_template = TINY_CHAT_TEMPLATE
+    return tiny_llava(), processor
+
+
+@pytest.fixture(scope="module")
+def results(llava):
+    model, processor = llava
+    # Questions of different lengths: HF's batches really are padded.
+    questions = ["w10", "w11 w12 w13", "w14 w15"]
+    shared = shared_workload(
+        processor, [make_image(i) for i in range(2)], questions, "w20 w21 w22 w23 w24 w25"
+    )
+    unique = unique_workload(
+        processor, [make_image(10 + i) for i in range(3)], ["w30", "w31 w32", "w33 w34 w35 w36"]
+    )
+    return run_engine_benchmark(
+        model, processor, [shared, unique], batch_size=2, max_new_tokens=MAX_NEW
+    )
+
+
+def test_answers_match_hf(results):
+    for r in results:
+        assert len(r.hf.outputs) == len(r.workload.requests)
+        assert all(len(o) == MAX_NEW for o in r.hf.outputs)  # the tiny model has no EOS
+        for run in r.minirad:
+            assert r.mismatches(run) == 0, run.name
+
+
+def test_radix_saves_prefill_and_encoder_work_on_the_shared_workload(results):
+    shared, unique = results
+    radix, none = shared.minirad
+    assert (radix.name, none.name) == ("minirad radix", "minirad none")
+    assert radix.prefill_tokens < none.prefill_tokens
+    assert radix.cached_tokens > 0 and none.cached_tokens == 0
+    assert radix.prefill_tokens + radix.cached_tokens == none.prefill_tokens
+    # Two images asked three questions each: HF encodes 6, the encoder cache 2 at most.
+    assert shared.hf.encoder_calls == 6 and radix.encoder_calls <= 2
+    # HF computes padding too: at least the unpadded prompt tokens.
+    assert shared.hf.prefill_tokens >= none.prefill_tokens
+    # Nothing but the template's first tokens is shared in the unique workload.
+    u_radix, u_none = unique.minirad
+    assert u_radix.prefill_tokens > 0.8 * u_none.prefill_tokens
+    assert u_radix.encoder_calls == u_none.encoder_calls == unique.hf.encoder_calls == 3
+
+
+def test_report_renders(results):
+    report = format_report(results)
+    assert "workload shared: 2 images x 3 questions" in report
+    assert "workload unique: 3 distinct images" in report
+    for row in ("output tokens/s", "TTFT mean, s", "prefill tokens", "encoder calls"):
+        assert sum(ln.startswith(row) for ln in report.splitlines()) == 2
+    mismatch_rows = [ln for ln in report.splitlines() if ln.startswith("mismatches vs HF")]
+    assert [ln.split()[-3:] for ln in mismatch_rows] == [["-", "0", "0"]] * 2
+    assert "(1.00x)" in report  # the HF column against itself
+
+
+def test_unique_workload_rejects_shared_questions(llava):
+    _, processor = llava
+    with pytest.raises(InvalidArgumentError):
+        unique_workload(processor, [make_image(1), make_image(2)], ["w10", "w10"])
+
+
+def test_command_line_on_a_saved_model(llava, tmp_path, capsys):
+    """The ``engine`` subcommand end to end, on scenes from :mod:`minirad.scenes` (their
+    English words are unknown to the tiny tokenizer, which is fine for a smoke run)."""
+    model, processor = llava
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    argv = ["engine", "--model", str(tmp_path), "--images", "1", "--questions", "2"]
+    assert bench_main(argv + ["--unique", "2", "--batch-size", "2", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "workload shared: 1 images x 2 questions" in out and "workload unique" in out
+    with pytest.raises(SystemExit) as e:
+        bench_main(["engine", "--model", str(tmp_path / "nowhere")])
+    assert e.value.code == 2
