@@ -17,13 +17,11 @@ import torch
 from PIL import Image
 from tiny_models import (
     BOS_ID,
-    EOS_ID,
     FAMILIES,
-    IDEFICS3_IMAGE_TOKENS,
     IMAGE_SIZE,
     IMAGE_TOKEN_ID,
-    PAD_ID,
     VOCAB_SIZE,
+    tiny_idefics3_processor,
     tiny_llava_processor,
     tiny_model,
 )
@@ -46,48 +44,9 @@ MAX_NEW = 8
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "models" / "minirad-tiny-llava"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors: a second intra-op thread only adds synchronisation (up to 20x slower
-    on a busy 2-core machine). Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_image(seed: int, size: int = IMAGE_SIZE) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
-
-
-def tiny_idefics3_processor():
-    """A real ``Idefics3Processor`` for :func:`tiny_models.tiny_idefics3`: word-level tokens
-    (``"w7"`` .. ``"w95"``) plus its special tokens; images up to 64 px are split into 32 px
-    tiles (one placeholder run of 4 tokens each) plus a global 32 px view."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Idefics3ImageProcessorPil, Idefics3Processor, PreTrainedTokenizerFast
-
-    vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<image>": IMAGE_TOKEN_ID}
-    vocab.update({"<fake_token_around_image>": 4, "<global-img>": 5, "<end_of_utterance>": 6})
-    vocab.update({f"w{i}": i for i in range(7, VOCAB_SIZE)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        extra_special_tokens={"image_token": "<image>"},
-    )
-    image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": 2 * IMAGE_SIZE},
-        max_image_size={"longest_edge": IMAGE_SIZE},
-        do_image_splitting=True,
-    )
-    return Idefics3Processor(
-        image_processor=image_processor, tokenizer=hf_tok, image_seq_len=IDEFICS3_IMAGE_TOKENS
-    )
 
 
 IMG_A, IMG_B, IMG_BIG = make_image(1), make_image(2), make_image(3, 2 * IMAGE_SIZE)

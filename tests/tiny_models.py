@@ -159,31 +159,57 @@ def prompt_ids(
     return ids + rand(text_after)
 
 
-def tiny_llava_processor():
-    """A real ``LlavaProcessor`` for :func:`tiny_llava`: word-level tokenizer over the tiny
-    vocabulary (``"<s>"``, ``"</s>"``, ``"<image>"``, ``"w4"`` .. ``"w95"``, whitespace-split)
-    and the PIL image processor at 32x32. ``"<image>"`` expands to 16 placeholders."""
+def word_level_tokenizer(special: dict[str, int] | None = None):
+    """A whitespace-split word-level tokenizer over the tiny vocabulary: ``"<pad>"``, ``"<s>"``,
+    ``"</s>"``, ``"<image>"``, then ``special`` tokens, then ``"w<i>"`` for every other id."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlavaImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<image>": IMAGE_TOKEN_ID}
-    vocab.update({f"w{i}": i for i in range(4, VOCAB_SIZE)})
+    vocab.update(special or {})
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf_tok = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
         bos_token="<s>",
         eos_token="</s>",
         extra_special_tokens={"image_token": "<image>"},
     )
+
+
+def tiny_llava_processor():
+    """A real ``LlavaProcessor`` for :func:`tiny_llava`: the word-level tokenizer and the PIL
+    image processor at 32x32. ``"<image>"`` expands to 16 placeholders."""
+    from transformers import LlavaImageProcessorPil, LlavaProcessor
+
     image_processor = LlavaImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     )
     return LlavaProcessor(
         image_processor=image_processor,
-        tokenizer=hf_tok,
+        tokenizer=word_level_tokenizer(),
         patch_size=PATCH_SIZE,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
+    )
+
+
+def tiny_idefics3_processor():
+    """A real ``Idefics3Processor`` for :func:`tiny_idefics3`: the word-level tokenizer plus
+    Idefics3's special tokens; images up to 64 px are split into 32 px tiles (one placeholder
+    run of 4 tokens each) plus a global 32 px view."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    special = {"<fake_token_around_image>": 4, "<global-img>": 5, "<end_of_utterance>": 6}
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * IMAGE_SIZE},
+        max_image_size={"longest_edge": IMAGE_SIZE},
+        do_image_splitting=True,
+    )
+    return Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=word_level_tokenizer(special),
+        image_seq_len=IDEFICS3_IMAGE_TOKENS,
     )
