@@ -43,10 +43,10 @@ from .engine import (
 )
 from .errors import ImageError, InvalidArgumentError, MiniradError, RequestError
 from .events import AllocEvent, Event
+from .models import DEFAULT_MODEL_DIR
 
-__all__ = ["DEFAULT_MODEL", "BatchStats", "build_parser", "chat_prompt", "load_requests", "main"]
+__all__ = ["BatchStats", "build_parser", "chat_prompt", "load_requests", "main"]
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "models" / "minirad-tiny-llava"
 # The per-request fields a JSONL line may set (besides "prompt" and "images").
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 
@@ -266,8 +266,9 @@ def _batch(args: argparse.Namespace) -> int:
         _request(engine, prompt, images, args.raw, params) for prompt, images, params in lines
     ]
     outs, stats = run_batch(engine, requests)
-    for i, ((prompt, _, _), out) in enumerate(zip(lines, outs, strict=True)):
-        print(f"[{i}] {prompt}\n    -> {out.text}")
+    for i, ((prompt, images, _), out) in enumerate(zip(lines, outs, strict=True)):
+        about = f" ({', '.join(p.name for p in images)})" if images else ""
+        print(f"[{i}] {prompt}{about}\n    -> {out.text}")
     print()
     print(stats.format())
     return 0
@@ -281,7 +282,7 @@ def _positive_int(s: str) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="local model folder")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local model folder")
     p.add_argument(
         "--raw",
         action="store_true",

@@ -45,6 +45,7 @@ __all__ = [
     "MatchEvent",
     "ResetEvent",
     "SplitEvent",
+    "StepEvent",
     "TouchEvent",
     "UnlockEvent",
     "event_from_dict",
@@ -250,6 +251,37 @@ class BlockRemovedEvent(Event):
         return f"{self.pool}: dropped the hashes of reused blocks {list(self.ids)}"
 
 
+@dataclass(frozen=True, slots=True)
+class StepEvent(Event):
+    """One engine step (``LLMEngine.step``): its forward batch and the scheduler's decisions.
+
+    The batch is given as parallel tuples, one entry per scheduled request in batch order:
+    request ``rids[i]`` computed tokens ``starts[i] .. starts[i] + num_tokens[i] - 1``, a
+    prefill chunk if ``is_prefill[i]`` else a decode. ``preempted`` lost their KV this step,
+    ``deferred`` waited for a prefix another request of this step computes, ``finished``
+    ended with this step's token (vLLM's ``SchedulerOutput``, SGLang's ``ScheduleBatch``).
+    """
+
+    kind: ClassVar[str] = "step"
+    rids: tuple[str, ...]
+    starts: tuple[int, ...]
+    num_tokens: tuple[int, ...]
+    is_prefill: tuple[bool, ...]
+    preempted: tuple[str, ...] = ()
+    deferred: tuple[str, ...] = ()
+    finished: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        prefill = sum(n for n, p in zip(self.num_tokens, self.is_prefill, strict=True) if p)
+        decode = sum(n for n, p in zip(self.num_tokens, self.is_prefill, strict=True) if not p)
+        text = f"step: {len(self.rids)} requests, {prefill} prefill + {decode} decode tokens"
+        if self.preempted:
+            text += f"; preempted {', '.join(self.preempted)}"
+        if self.finished:
+            text += f"; finished {', '.join(self.finished)}"
+        return text
+
+
 _EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -265,6 +297,7 @@ _EVENT_TYPES: dict[str, type[Event]] = {
         TouchEvent,
         BlockStoredEvent,
         BlockRemovedEvent,
+        StepEvent,
     )
 }
 

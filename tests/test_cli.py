@@ -128,7 +128,8 @@ def test_batch_prints_answers_and_cache_stats(tiny_dir, capsys):
         answer = hf_answer(
             model, processor, row["prompt"], images, row.get("max_new_tokens", MAX_NEW)
         )
-        assert f"[{i}] {row['prompt']}\n    -> {answer}\n" in out
+        names = ", ".join(p.name for p in images)
+        assert f"[{i}] {row['prompt']} ({names})\n    -> {answer}\n" in out
     assert stat(out, "requests") == "4"
     assert stat(out, "encoder calls").startswith("2 made")  # two distinct images
     assert not stat(out, "prefix hit rate").startswith("0.0%")
@@ -171,7 +172,7 @@ def test_batch_with_a_tight_pool_preempts_and_still_answers(tiny_dir, capsys):
         (
             ["generate", "--model", "{root}/model", "--image", "{root}/img1.png", "--raw"]
             + ["--prompt", "w10"],
-            "number of <image> tokens",
+            "0 '<image>' placeholder(s) but 1 image(s)",
         ),
     ],
 )

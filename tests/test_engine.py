@@ -36,7 +36,7 @@ from minirad.engine import (
     sample_one,
 )
 from minirad.errors import ImageError, InvalidArgumentError, RequestError
-from minirad.events import EventRecorder
+from minirad.events import EventRecorder, StepEvent
 from minirad.multimodal import pad_input_ids
 
 ATOL = 1e-4
@@ -172,6 +172,23 @@ def test_greedy_tokens_and_logits_match_hf(model, processor, references, setup):
     assert_idle(engine)
 
 
+def test_prompt_ids_equal_the_processors(model, processor):
+    """The engine preprocesses each image once and splices its expansion into the tokenized
+    text; the ids must be exactly those of ``processor(text, images)`` (tiles, several images
+    and repeated images included)."""
+    proc = LLMEngine(model, processor).input_processor
+    for text, images in [*CASES, ("<s> w60 <image> w61 <image>", [IMG_B, IMG_B])]:
+        expected = processor(text=text, images=images or None, return_tensors="pt")
+        processed = proc.process(text, images)
+        assert processed.prompt_token_ids == expected["input_ids"][0].tolist()
+        # Only the first image of a size goes through the whole processor; the pixels of the
+        # others come from its image processor alone, and must be the same.
+        for image, item in zip(images, processed.images, strict=True):
+            alone = processor(text=proc.image_token, images=[image], return_tensors="pt")
+            for name, tensor in item.pixel_inputs.items():
+                assert torch.equal(tensor, alone[name]), name
+
+
 def test_same_text_other_image_forks_at_the_first_image_token(model, processor):
     engine = LLMEngine(model, processor)
     a, b, _, c, *_ = requests()
@@ -260,6 +277,26 @@ def test_in_batch_prefix_sharing_lowers_prefill_tokens(llava, threshold):
         assert engine.stats.prefill_tokens == prompt + 3 * 1
         assert [o.stats.cached_tokens for o in outs] == [0] + [prompt - 1] * 3
     assert_matches_hf(outs, [hf_generate(model, processor, t, ims) for t, ims in cases])
+    assert_idle(engine)
+
+
+def test_step_events_describe_every_batch(llava, tmp_path):
+    """Each step publishes one StepEvent; together they account for every computed token, and
+    each request finishes exactly once (in the step whose output says so)."""
+    engine = LLMEngine(*llava, max_num_batched_tokens=16, max_num_seqs=2)
+    recorder = EventRecorder(engine.bus)
+    outputs = engine.generate(requests(CASES[:4]))
+    steps = [e for e in recorder.events if isinstance(e, StepEvent)]
+    stats = engine.stats
+    assert len(steps) == stats.num_steps
+    assert all(len(e.rids) <= 2 and sum(e.num_tokens) <= 16 for e in steps)
+    prefill = sum(n for e in steps for n, p in zip(e.num_tokens, e.is_prefill, strict=True) if p)
+    assert prefill == stats.prefill_tokens
+    assert sum(sum(e.num_tokens) for e in steps) == prefill + stats.decode_tokens
+    finished = [rid for e in steps for rid in e.finished]
+    assert sorted(finished) == sorted(o.rid for o in outputs)
+    recorder.save(tmp_path / "steps.jsonl")
+    assert EventRecorder.load(tmp_path / "steps.jsonl").events == recorder.events
     assert_idle(engine)
 
 

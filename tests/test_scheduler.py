@@ -364,3 +364,21 @@ def test_random_workloads_keep_every_invariant(seed):
         assert r.output_token_ids == out[: len(r.output_token_ids)]
         assert len(r.output_token_ids) == r.sampling_params.max_new_tokens
     assert_idle(s)
+
+
+def test_a_request_that_cannot_be_admitted_evicts_nothing():
+    """Admission evicts tree leaves only when that makes room (SGLang's PrefillAdder budgets
+    with available + evictable first): a request that cannot fit anyway leaves the cache as
+    it was."""
+    allocator = TokenToKVPoolAllocator(48)
+    tree = RadixCache(token_to_kv_pool_allocator=allocator)
+    s = Scheduler(tree, SchedulerConfig(max_model_len=64))
+    s.add_request(Request("old", list(range(10, 20)), SamplingParams(max_new_tokens=1)))
+    s.update_from_output(s.schedule(), [5])  # "old" finishes: 10 tokens cached, evictable
+    s.add_request(Request("long", list(range(100, 125)), SamplingParams(max_new_tokens=8)))
+    s.update_from_output(s.schedule(), [5])  # "long" runs: 25 slots; 13 free + 10 evictable
+    before = tree.evictable_size()
+    s.add_request(Request("big", list(range(200, 230)), SamplingParams(max_new_tokens=1)))
+    out = s.schedule()  # needs 30 slots: even evicting all 10 cannot make room
+    assert [x.request.rid for x in out.scheduled] == ["long"]
+    assert tree.evictable_size() == before

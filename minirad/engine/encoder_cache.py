@@ -14,7 +14,6 @@ Capacity is in feature rows (= placeholder tokens), least recently used out firs
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 
@@ -45,28 +44,28 @@ class EncoderCache:
         self.num_hits = 0
         self.num_evictions = 0
 
-    def get_or_compute(self, mm_hash: str, encode: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The features of image ``mm_hash``: cached, or ``encode()`` (then cached).
-
-        Args:
-            encode: returns ``[num_tokens, hidden]`` features; called at most once here.
-        """
+    def get(self, mm_hash: str) -> torch.Tensor | None:
+        """The cached features of image ``mm_hash`` (counted as a hit), or None."""
         feats = self._entries.get(mm_hash)
         if feats is not None:
             self._entries.move_to_end(mm_hash)
             self.num_hits += 1
-            return feats
-        feats = encode()
+        return feats
+
+    def put(self, mm_hash: str, feats: torch.Tensor) -> None:
+        """Store freshly encoded ``[num_tokens, hidden]`` features (counted as one encoder
+        call), evicting least recently used entries to make room. Features larger than the
+        whole capacity are not kept."""
         self.num_encoder_calls += 1
         rows = feats.shape[0]
-        if rows <= self.capacity:
-            while self._rows + rows > self.capacity:
-                _, old = self._entries.popitem(last=False)
-                self._rows -= old.shape[0]
-                self.num_evictions += 1
-            self._entries[mm_hash] = feats
-            self._rows += rows
-        return feats
+        if rows > self.capacity or mm_hash in self._entries:
+            return
+        while self._rows + rows > self.capacity:
+            _, old = self._entries.popitem(last=False)
+            self._rows -= old.shape[0]
+            self.num_evictions += 1
+        self._entries[mm_hash] = feats
+        self._rows += rows
 
     def __contains__(self, mm_hash: str) -> bool:
         return mm_hash in self._entries

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..errors import InvalidArgumentError, InvariantError, RequestError
-from ..events import EventBus
+from ..events import EventBus, StepEvent
 from ..kv_pool import KVCache, TokenToKVPoolAllocator
 from ..models import PagedVLM, kv_cache_dims, load_model
 from ..radix_cache import RadixCache
@@ -255,6 +255,21 @@ class LLMEngine:
             if request.logits is not None:
                 request.logits.append(logits[row].float().clone())
         advanced = self.scheduler.update_from_output(out, tokens)
+        t = self.bus.tick()
+        if self.bus.active:
+            sched = out.scheduled
+            self.bus.emit(
+                StepEvent(
+                    t,
+                    rids=tuple(s.request.rid for s in sched),
+                    starts=tuple(s.start for s in sched),
+                    num_tokens=tuple(s.num_tokens for s in sched),
+                    is_prefill=tuple(s.is_prefill for s in sched),
+                    preempted=tuple(r.rid for r in out.preempted),
+                    deferred=tuple(r.rid for r in out.deferred),
+                    finished=tuple(r.rid for r in advanced if r.is_finished),
+                )
+            )
         st = self._stats
         st.num_steps += 1
         st.prefill_tokens += out.num_prefill_tokens

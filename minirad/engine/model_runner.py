@@ -19,6 +19,7 @@ is an ordinary token, as it is in HF's decode steps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -45,25 +46,53 @@ class ModelRunner:
         self.encoder_cache = encoder_cache
         self.device = vlm.kv_cache.k_cache.device
 
-    def image_features(self, image: ImageItem) -> torch.Tensor:
-        """``[image.num_tokens, hidden]`` features of one image, from the cache or the tower.
+    def image_features(self, images: Sequence[ImageItem]) -> dict[str, torch.Tensor]:
+        """``{mm_hash: [num_tokens, hidden]}`` features of ``images``: from the encoder cache,
+        and the rest through the vision tower, one call per group of images whose inputs have
+        the same shapes (vLLM's model runner batches a step's encoder inputs the same way).
 
         Raises:
             ImageError: the tower returned another number of rows than the processor's
                 placeholder count (a processor that does not fit the model).
         """
+        found: dict[str, torch.Tensor] = {}
+        groups: dict[tuple, dict[str, ImageItem]] = {}  # missing images, deduplicated by hash
+        repeats: list[str] = []  # later uses of a missing image: encoded once, then hits
+        for image in images:
+            if any(image.mm_hash in g for g in groups.values()):
+                repeats.append(image.mm_hash)
+                continue
+            feats = self.encoder_cache.get(image.mm_hash)
+            if feats is not None:
+                found[image.mm_hash] = feats
+                continue
+            shapes = tuple((k, v.shape, v.dtype) for k, v in sorted(image.pixel_inputs.items()))
+            groups.setdefault(shapes, {})[image.mm_hash] = image
+        for group in groups.values():
+            batch = list(group.values())
+            for image, feats in zip(batch, self._encode(batch), strict=True):
+                self.encoder_cache.put(image.mm_hash, feats)
+                found[image.mm_hash] = feats
+        for mm_hash in repeats:
+            self.encoder_cache.get(mm_hash)  # counts the hit (when the cache could keep it)
+        return found
 
-        def encode() -> torch.Tensor:
-            inputs = {k: v.to(self.device) for k, v in image.pixel_inputs.items()}
-            feats = torch.cat(self.vlm.encode_images(inputs))
-            if feats.shape[0] != image.num_tokens:
-                raise ImageError(
-                    f"vision tower gave {feats.shape[0]} feature rows for an image with "
-                    f"{image.num_tokens} placeholders"
-                )
-            return feats
-
-        return self.encoder_cache.get_or_compute(image.mm_hash, encode)
+    def _encode(self, images: list[ImageItem]) -> list[torch.Tensor]:
+        """One vision-tower call over images with same-shaped inputs, stacked along the batch.
+        The tower returns every image's rows in order (LLaVA: one tensor per image; Idefics3:
+        one per tile), so the rows are cut by each image's placeholder count."""
+        names = images[0].pixel_inputs
+        inputs = {
+            k: torch.cat([im.pixel_inputs[k] for im in images]).to(self.device) for k in names
+        }
+        rows = torch.cat(self.vlm.encode_images(inputs))
+        counts = [im.num_tokens for im in images]
+        if rows.shape[0] != sum(counts):
+            raise ImageError(
+                f"vision tower gave {rows.shape[0]} feature rows for {len(images)} image(s) "
+                f"with {sum(counts)} placeholders"
+            )
+        return list(rows.split(counts))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
@@ -73,21 +102,28 @@ class ModelRunner:
             ``[len(out.scheduled), vocab]`` next-token logits, one row per scheduled request
             (the logits after its last new token; only rows with ``sample`` are used).
         """
+        # The image segments each request's new tokens overlap, as (segment, lo, hi), and
+        # their images: all encoded together, before the forward pass.
+        overlaps, needed = [], []
+        for s in out.scheduled:
+            spans = []
+            for seg in s.request.segments:
+                lo, hi = max(s.start, seg.offset), min(s.end, seg.offset + seg.length)
+                if lo < hi:
+                    spans.append((seg, lo, hi))
+            overlaps.append(spans)
+            # One use per image of the request, however many runs (tiles) the chunk touches.
+            for index in dict.fromkeys(seg.image_index for seg, _, _ in spans):
+                needed.append(s.request.images[index])
+        features = self.image_features(needed)
         token_ids, kv_slots, feats, rows = [], [], [], []
         base = 0  # row of this request's first new token in the flat batch
-        for s in out.scheduled:
+        for s, spans in zip(out.scheduled, overlaps, strict=True):
             request = s.request
             token_ids.append(request.all_token_ids[s.start : s.end])
             kv_slots.append(request.req.kv_indices[: s.end])
-            per_image: dict[int, torch.Tensor] = {}  # one cache lookup per image, not per run
-            for seg in request.segments:
-                lo, hi = max(s.start, seg.offset), min(s.end, seg.offset + seg.length)
-                if lo >= hi:
-                    continue
-                if seg.image_index not in per_image:
-                    image = request.images[seg.image_index]
-                    per_image[seg.image_index] = self.image_features(image)
-                image_feats = per_image[seg.image_index]
+            for seg, lo, hi in spans:
+                image_feats = features[request.images[seg.image_index].mm_hash]
                 first = seg.row + lo - seg.offset
                 feats.append(image_feats[first : first + hi - lo])
                 rows.extend(range(base + lo - s.start, base + hi - s.start))

@@ -3,12 +3,17 @@
 What SGLang's tokenizer manager and vLLM's input processor do before a request reaches the
 scheduler:
 
-1. Text goes through the model's own Hugging Face processor, which expands each image
-   placeholder (``"<image>"``) into as many placeholder tokens as the image has features.
-2. Each image is loaded, hashed (:func:`minirad.multimodal.hash_image`: pixels + the image
-   processor's parameters) and preprocessed on its own. The processor tells how many
-   placeholders it takes; its pixel inputs wait for the vision tower, which runs only when a
-   prefill chunk needs the features (and only once per hash: :mod:`.encoder_cache`).
+1. Each image is loaded, hashed (:func:`minirad.multimodal.hash_image`: pixels + the image
+   processor's parameters) and preprocessed on its own by the model's Hugging Face processor,
+   which also says what one image placeholder (``"<image>"``) becomes in the prompt: as many
+   placeholder tokens as the image has features (LLaVA), with tile markers around them
+   (Idefics3). Its pixel inputs wait for the vision tower, which runs only when a prefill
+   chunk needs the features (and only once per hash: :mod:`.encoder_cache`). Both are kept
+   by hash, so a picture asked about many times is preprocessed once.
+2. The text is tokenized by the processor's tokenizer and each ``<image>`` id is replaced by
+   its image's expansion. This gives the ids ``processor(text, images)`` gives (the tokenizer
+   cuts text at special tokens such as ``<image>``, so the pieces tokenize alone), without
+   preprocessing every image a second time for the text.
 3. Placeholders are assigned to images in order, and the radix key gets each image's pad id
    (>= vocab size, :func:`minirad.multimodal.pad_value`) at its placeholders, as SGLang's
    ``pad_input_ids`` does. One image may own several placeholder runs (Idefics3 splits a large
@@ -40,12 +45,15 @@ class ImageItem:
         pad_value: the id its placeholders get in the radix key.
         num_tokens: its placeholder tokens (= rows of its features).
         pixel_inputs: the processor's tensors for this image alone (``pixel_values``, ...).
+        expansion_ids: the ids that replace its one ``<image>`` id in the tokenized prompt
+            (``num_tokens`` placeholders, plus any markers the processor puts around them).
     """
 
     mm_hash: str
     pad_value: int
     num_tokens: int
     pixel_inputs: dict[str, torch.Tensor]
+    expansion_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,9 @@ class InputProcessor:
         self.preprocess_params = image_processor.to_dict() if image_processor else {}
         self.image_token = getattr(processor, "image_token", "<image>")
         self._items: OrderedDict[str, ImageItem] = OrderedDict()  # by mm_hash, LRU
+        # Expansion of one "<image>" by image (size, mode), and the tokenizer's ids for it.
+        self._expansions: dict[tuple, tuple[int, ...]] = {}
+        self._bare = processor.tokenizer(self.image_token)["input_ids"] if processor else []
 
     def process(
         self, prompt: str | Sequence[int], images: Sequence[Image.Image | str | os.PathLike] = ()
@@ -137,7 +148,7 @@ class InputProcessor:
         if pil_images and self.processor is None:
             raise RequestError("images need the model's processor (engine built without one)")
         items = [self._process_image(im) for im in pil_images]
-        ids = self._prompt_ids(prompt, pil_images)
+        ids = self._prompt_ids(prompt, items)
         segments = self._assign_placeholders(ids, items)
         key = list(ids)
         for seg in segments:  # SGLang's pad_input_ids, per image rather than per run
@@ -145,17 +156,26 @@ class InputProcessor:
             key[seg.offset : seg.offset + seg.length] = [pad] * seg.length
         return ProcessedPrompt(ids, key, items, segments)
 
-    def _prompt_ids(self, prompt, images: list[Image.Image]) -> list[int]:
+    def _prompt_ids(self, prompt, items: list[ImageItem]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("empty prompt")
             if self.processor is None:
                 raise RequestError("a text prompt needs the model's processor")
-            try:
-                out = self.processor(text=prompt, images=images or None, return_tensors="pt")
-            except ValueError as e:  # HF: "<image> tokens ... should be the same as images"
-                raise ImageError(f"the processor rejected the prompt and images: {e}") from e
-            return out["input_ids"][0].tolist()
+            text_ids = self.processor.tokenizer(prompt)["input_ids"]
+            where = [i for i, t in enumerate(text_ids) if t == self.image_token_id]
+            if len(where) != len(items):
+                raise ImageError(
+                    f"the prompt has {len(where)} {self.image_token!r} placeholder(s) but "
+                    f"{len(items)} image(s) were given"
+                )
+            ids: list[int] = []
+            start = 0
+            for pos, item in zip(where, items, strict=True):
+                ids += text_ids[start:pos]
+                ids += item.expansion_ids
+                start = pos + 1
+            return ids + text_ids[start:]
         try:
             ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
         except (TypeError, ValueError) as e:
@@ -176,19 +196,42 @@ class InputProcessor:
         if item is not None:
             self._items.move_to_end(mm_hash)
             return item
+        # The expansion depends on the image's size only (LLaVA: fixed; Idefics3: the tiling),
+        # so the full processor runs once per size; later images of that size need only the
+        # image processor (the text side of a processor call costs as much as the pixels).
+        expansion = self._expansions.get((image.size, image.mode))
         try:
-            out = self.processor(text=self.image_token, images=[image], return_tensors="pt")
+            if expansion is None:
+                out = self.processor(text=self.image_token, images=[image], return_tensors="pt")
+                expansion = self._expansion(out["input_ids"][0].tolist())
+                self._expansions[(image.size, image.mode)] = expansion
+            else:
+                out = self.processor.image_processor(images=[image], return_tensors="pt")
         except (ValueError, OSError) as e:
             raise ImageError(f"the processor cannot preprocess an image: {e}") from e
-        num_tokens = int((out["input_ids"][0] == self.image_token_id).sum())
-        if num_tokens == 0:
-            raise ImageError("the processor expanded an image into no placeholder tokens")
+        num_tokens = expansion.count(self.image_token_id)
         pixel_inputs = {k: out[k] for k in self.image_input_names if k in out}
-        item = ImageItem(mm_hash, pad_value(mm_hash, self.vocab_size), num_tokens, pixel_inputs)
+        item = ImageItem(
+            mm_hash, pad_value(mm_hash, self.vocab_size), num_tokens, pixel_inputs, expansion
+        )
         self._items[mm_hash] = item
         if len(self._items) > self.max_cached_images:
             self._items.popitem(last=False)
         return item
+
+    def _expansion(self, expanded: list[int]) -> tuple[int, ...]:
+        """The ids one ``<image>`` became in ``expanded`` (the processor's ids for the text
+        ``"<image>"`` alone): what the tokenizer adds around a lone ``<image>`` (e.g. a BOS)
+        is not the image's.
+
+        Raises:
+            ImageError: the processor expanded the image into no placeholder tokens.
+        """
+        if self.image_token_id not in expanded:
+            raise ImageError("the processor expanded an image into no placeholder tokens")
+        before = self._bare.index(self.image_token_id)
+        after = len(self._bare) - before - 1
+        return tuple(expanded[before : len(expanded) - after])
 
     def _assign_placeholders(self, ids: list[int], items: list[ImageItem]) -> list[ImageSegment]:
         """Give the first ``items[0].num_tokens`` placeholders to image 0, the next ones to

@@ -333,6 +333,8 @@ class Scheduler:
         if need:
             need_slots = math.ceil(need / ps) * ps
             short = need_slots - self.allocator.available_size()
+            if short > self.tree_cache.evictable_size():
+                return False  # evicting would destroy cache and still not make room
             if short > 0:
                 self.tree_cache.evict(short)
             if need_slots > self.allocator.available_size():

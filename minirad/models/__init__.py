@@ -9,11 +9,12 @@
 """
 
 from .decoder import SUPPORTED_TEXT_MODELS, PagedDecoder, check_text_config, kv_cache_dims
-from .families import FAMILIES, VLMFamily, get_family, load_model
+from .families import DEFAULT_MODEL_DIR, FAMILIES, VLMFamily, get_family, load_model
 from .forward_batch import ForwardBatch
 from .vlm import PagedVLM, image_features_for_chunk
 
 __all__ = [
+    "DEFAULT_MODEL_DIR",
     "FAMILIES",
     "SUPPORTED_TEXT_MODELS",
     "ForwardBatch",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,7 +32,11 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from .decoder import check_text_config
 
-__all__ = ["FAMILIES", "VLMFamily", "get_family", "load_model"]
+__all__ = ["DEFAULT_MODEL_DIR", "FAMILIES", "VLMFamily", "get_family", "load_model"]
+
+# The course's shipped model (trained by ``python -m minirad.train``): the offline default of
+# the CLI, the benchmarks and the chapters.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "data" / "models" / "minirad-tiny-llava"
 
 
 @dataclass(frozen=True)
