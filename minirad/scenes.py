@@ -49,6 +49,7 @@ __all__ = [
     "QUESTION_TYPES",
     "RELATIONS",
     "SHAPES",
+    "SYSTEM_PROMPTS",
     "TASK_TYPES",
     "Question",
     "Scene",
@@ -78,13 +79,23 @@ BACKGROUND = (255, 255, 255)
 DEFAULT_IMAGE_SIZE = 48  # pixels per side: the tiny VLM's input resolution
 
 # Layout, as fractions of the canvas side (scale-free, so any canvas size gives the same scenes).
-MARGIN = 0.04  # empty border around the row
-GAP = 0.06  # minimum empty space between neighbouring shapes' bounding boxes, along the row
+MARGIN = 0.03  # empty border around the row
+GAP = 0.035  # minimum empty space between neighbouring shapes' bounding boxes, along the row
 JITTER = 0.04  # max offset of a shape's centre from the row's centre line, across the row
-RADIUS = (0.11, 0.19)  # half the side of a shape's bounding box
+# Half the side of a shape's bounding box. Three shapes in a row fit up to a radius of 0.145,
+# so the smallest shapes (6 px at 48 px) are still about two vision patches wide.
+RADIUS = (0.13, 0.19)
 SUPERSAMPLE = 4  # draw at 4x and box-filter down: anti-aliased, integer-exact edges
 
 CAPTION_PROMPT = "Describe the image."
+# System prompts for examples that share a system turn (the radix cache's favourite case);
+# `python -m minirad.train --system-prob P` also trains with them.
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a careful assistant. Look at the picture and answer briefly.",
+    "You describe pictures of coloured shapes.",
+    "Answer the question about the image.",
+)
 # A question type picks one template; "caption" is the description task.
 QUESTION_TYPES = ("colour", "shape", "count", "where", "exists", "relation")
 TASK_TYPES = ("caption", *QUESTION_TYPES)
@@ -240,37 +251,37 @@ def caption(scene: Scene) -> str:
     return f"{', '.join(names[:-1])} and {names[-1]} {order}"
 
 
-def ask(scene: Scene, type: str, rng: random.Random) -> Question | None:
-    """A random question of ``type`` (one of :data:`TASK_TYPES`) about ``scene``, or None when
+def ask(scene: Scene, task: str, rng: random.Random) -> Question | None:
+    """A random question of type ``task`` (one of :data:`TASK_TYPES`) about ``scene``, or None when
     the scene admits none (``where`` / ``relation`` need two shapes, ``colour`` a shape kind
     that occurs once).
 
     ``exists`` and ``relation`` answer "yes" or "no" with probability 1/2 each.
 
     Raises:
-        ValueError: unknown ``type``.
+        ValueError: unknown ``task``.
     """
     shapes = scene.shapes
-    if type == "caption":
-        return Question(type, CAPTION_PROMPT, caption(scene))
-    if type == "colour":
+    if task == "caption":
+        return Question(task, CAPTION_PROMPT, caption(scene))
+    if task == "colour":
         kinds = [s.kind for s in shapes]
         unique = [s for s in shapes if kinds.count(s.kind) == 1]
         if not unique:
             return None
         s = rng.choice(unique)
-        return Question(type, f"What colour is the {s.kind}?", s.colour)
-    if type == "shape":
+        return Question(task, f"What colour is the {s.kind}?", s.colour)
+    if task == "shape":
         s = rng.choice(shapes)
-        return Question(type, f"What shape is the {s.colour} one?", s.kind)
-    if type == "count":
-        return Question(type, "How many shapes are there?", COUNT_WORDS[len(shapes)])
-    if type == "where":
+        return Question(task, f"What shape is the {s.colour} one?", s.kind)
+    if task == "count":
+        return Question(task, "How many shapes are there?", COUNT_WORDS[len(shapes)])
+    if task == "where":
         if len(shapes) < 2:
             return None
         a, b = rng.sample(shapes, 2)
-        return Question(type, f"Where is the {a.name} relative to the {b.name}?", relation(a, b))
-    if type == "exists":
+        return Question(task, f"Where is the {a.name} relative to the {b.name}?", relation(a, b))
+    if task == "exists":
         present = {(s.colour, s.kind) for s in shapes}
         if rng.random() < 0.5:
             colour, kind = rng.choice(sorted(present))
@@ -281,16 +292,17 @@ def ask(scene: Scene, type: str, rng: random.Random) -> Question | None:
             near = [(c, k) for c, k in absent if any(c == pc or k == pk for pc, pk in present)]
             colour, kind = rng.choice(near if near and rng.random() < 0.5 else absent)
         answer = "yes" if (colour, kind) in present else "no"
-        return Question(type, f"Is there a {colour} {kind}?", answer)
-    if type == "relation":
+        article = "an" if colour == "orange" else "a"
+        return Question(task, f"Is there {article} {colour} {kind}?", answer)
+    if task == "relation":
         if len(shapes) < 2:
             return None
         a, b = rng.sample(shapes, 2)
         truth = relation(a, b)
         rel = truth if rng.random() < 0.5 else rng.choice([r for r in RELATIONS if r != truth])
         answer = "yes" if rel == truth else "no"
-        return Question(type, f"Is the {a.name} {_RELATION_PHRASE[rel]} the {b.name}?", answer)
-    raise ValueError(f"unknown question type {type!r}; expected one of {TASK_TYPES}")
+        return Question(task, f"Is the {a.name} {_RELATION_PHRASE[rel]} the {b.name}?", answer)
+    raise ValueError(f"unknown question type {task!r}; expected one of {TASK_TYPES}")
 
 
 def questions(scene: Scene, rng: random.Random) -> list[Question]:

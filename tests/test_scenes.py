@@ -142,8 +142,9 @@ def oracle_answer(seen: list[Seen], prompt: str) -> str:
         a, b = prompt.removeprefix("Where is the ").removesuffix("?").split(" relative to the ")
         (rel,) = where(by_name(seen, a), by_name(seen, b))  # exactly one relation holds
         return rel
-    if prompt.startswith("Is there a"):
-        name = prompt.removeprefix("Is there a ").removesuffix("?")
+    if prompt.startswith("Is there "):
+        article, name = prompt.removeprefix("Is there ").removesuffix("?").split(" ", 1)
+        assert article == ("an" if name.startswith("orange") else "a"), prompt
         return "yes" if any(s.name == name for s in seen) else "no"
     if prompt.startswith("Is the "):
         body = prompt.removeprefix("Is the ").removesuffix("?")
