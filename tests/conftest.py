@@ -14,6 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+# The exercises' shared tests live in exercise_contract.py, not a test_*.py file: pytest must be
+# told to rewrite its asserts, or their failures show no values
+# (https://docs.pytest.org/en/stable/how-to/writing_plugins.html#assertion-rewriting).
+pytest.register_assert_rewrite("exercise_contract")
+
 settings.register_profile(
     "ci",
     derandomize=True,

@@ -1,10 +1,12 @@
-"""Chapter 01 exercises: each solution passes, wrong answers fail, untouched stubs say so.
+"""Chapter 01 exercises, held to the shared contract of ``exercise_contract.py``: the
+oracle's answer passes, near misses fail, typical mistakes get their reason, the stub is
+"not attempted", and the printed solution computes the answer.
 
 The expected answers are recomputed here from the exercise data with brute-force oracles over
 plain lists (no tree), so a checker that drifts from the radix-tree semantics fails.
 """
 
-import pytest
+from exercise_contract import ExerciseContract
 
 from minirad import RadixCache
 from minirad.exercises import ch01
@@ -67,52 +69,38 @@ CASES = [
     (ch01.q4, oracle_q4),
     (ch01.q5, oracle_q5),
 ]
-IDS = [q.name.split()[0] for q, _ in CASES]
+
+# Typical mistakes, and a word of the reason the learner must see.
+DIAGNOSED = [
+    # stopping at the node boundary instead of inside the edge
+    (ch01.q1, common_len(*ch01.Q1_INSERTS[:2]), "too low"),
+    (ch01.q1, float(oracle_q1()), "expected an int"),
+    (ch01.q2, len(ch01.Q2_INSERTS), "too low"),  # one node per key, no splits
+    (ch01.q2, oracle_q2() + 1, "too high"),
+    (ch01.q3, ch01.Q3_INSERTS[1][1][: len(oracle_q3())], "which copy"),  # the second's slots
+    (ch01.q3, oracle_q3()[:-1], "the query matches"),
+    (ch01.q3, [float(s) for s in oracle_q3()], "expected a list of slot ids"),
+    (ch01.q4, (len(ch01.Q4_INSERT), oracle_q4()[1]), "cached tokens"),  # no whole pages
+    (ch01.q4, (oracle_q4()[0], common_len(ch01.Q4_INSERT, ch01.Q4_QUERY)), "matched tokens"),
+    (ch01.q4, oracle_q4()[0], "expected a pair"),
+    (ch01.q5, 1, "too low"),  # the suffix keeping the id of the node it was split from
+]
 
 
-def wrong_answers(right):
-    """Near misses of the right answer's type, and answers of the wrong type."""
-    if isinstance(right, int):
-        return [right + 1, right - 1, float(right), str(right), None]
-    if isinstance(right, tuple):
-        return [(right[0], right[1] + 1), (right[0] + 1, right[1]), right[:1], right + (0,)]
-    return [right[:-1], right + [0], [s + 1 for s in right], list(reversed(right)), "x"]
+class TestExerciseContract(ExerciseContract):
+    chapter = ch01
+    cases = CASES  # no solution code: ch01 prints prose and code (tested below)
+    diagnosed = DIAGNOSED
+    solution_globals = {"RadixCache": RadixCache, **vars(ch01)}  # what the notebook imports
 
-
-@pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
-def test_right_answer_passes(exercise, oracle, capsys):
-    assert exercise.is_correct(oracle())
-    exercise.check(oracle())
-    assert capsys.readouterr().out == f"[{exercise.name}] correct!\n"
-
-
-@pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
-def test_wrong_answers_fail(exercise, oracle, capsys):
-    for wrong in wrong_answers(oracle()):
-        assert not exercise.is_correct(wrong), wrong
-        exercise.check(wrong)
-        assert capsys.readouterr().out.startswith(f"[{exercise.name}] incorrect: "), wrong
-
-
-@pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
-def test_untouched_stub_is_not_attempted(exercise, oracle, capsys):
-    assert not exercise.is_correct(...)
-    exercise.check(...)
-    assert capsys.readouterr().out.startswith(f"[{exercise.name}] not attempted")
-
-
-@pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
-def test_solution_states_and_computes_the_answer(exercise, oracle, capsys):
-    exercise.solution()
-    text = capsys.readouterr().out.split("solution:\n", 1)[1]
-    prose, code = text.split("\n", 1)
-    assert prose.startswith(f"{oracle()}:"), prose
-    namespace = {"RadixCache": RadixCache, **vars(ch01)}
-    exec(code, namespace)
-    assert exercise.is_correct(namespace["answer"])
-
-
-@pytest.mark.parametrize("exercise, oracle", CASES, ids=IDS)
-def test_hint_prints(exercise, oracle, capsys):
-    exercise.hint()
-    assert capsys.readouterr().out.startswith(f"[{exercise.name}] hint: ")
+    def test_printed_solution_computes_the_answer(self, exercise, oracle, capsys):
+        """The solution opens with a line that states the answer, then runnable code."""
+        exercise.solution()
+        header = f"[{exercise.name}] solution:\n"
+        out = capsys.readouterr().out
+        assert out.startswith(header), out
+        prose, code = out.removeprefix(header).split("\n", 1)
+        assert prose.startswith(f"{oracle()}:"), prose
+        answer = self.run_solution(code)
+        assert answer == oracle()
+        assert exercise.is_correct(answer)
