@@ -7,7 +7,7 @@ NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 DETERMINISTIC_ENV := PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1 HF_HUB_OFFLINE=1
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: venv dot lab test lint notebooks clean
+.PHONY: venv dot lab test lint notebooks screenshot clean
 
 venv: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ ifneq ($(NOTEBOOKS),)
 	  --ExecutePreprocessor.store_widget_state=False \
 	  --ExecutePreprocessor.record_timing=False $(NOTEBOOKS)
 endif
+
+# The README picture: the widget mid-animation at an image fork, from the shipped model, drawn
+# by chromium (apt-get install chromium) with the browser tests' tooling (tests/browser_tools.py).
+screenshot: venv
+	$(DETERMINISTIC_ENV) $(BIN)/python tests/browser_tools.py docs/visualizer.png
 
 # Removes caches and build output; `rm -rf .venv` to rebuild the environment from scratch.
 clean:

@@ -1,7 +1,39 @@
-"""The minirad visualizer (chapter 07): an animated radix tree and KV block pool in JupyterLab.
+"""The minirad visualizer (chapter 07): an animated radix tree and KV pool in JupyterLab.
 
-Its one contract, fixed now so that the library can be built against it: frames are computed
-from ``minirad.events`` only (live from an ``EventBus`` or replayed from a JSONL log), never by
-reading a cache's internals, and ``minirad`` never imports ``viz``. The widget itself arrives
-with the visualizer milestone.
+Its one contract: frames are computed from ``minirad.events`` only (live from an ``EventBus``
+or replayed from a JSONL log), never by reading a cache's internals, and ``minirad`` never
+imports ``viz``.
+
+- :mod:`viz.frames`: events -> :class:`Frame` objects (nodes, states, locks, KV pool, caption).
+- :mod:`viz.layout`: the deterministic layout that keeps untouched nodes in place.
+- :mod:`viz.svg`: a static SVG of one frame (the fallback shown without a kernel).
+- :mod:`viz.widget`: :class:`RadixView`, the anywidget player (JS/CSS in ``viz/static``).
+- :mod:`viz.export`: a standalone HTML replay.
+- :mod:`viz.sources`: builders for an engine, a cache, the Figure 3 scenario.
+
+Example::
+
+    import viz
+    view = viz.replay_scenario()                  # SGLang Figure 3, one frame per step
+    view
+    view.to_html("figure3.html")
+    view = viz.RadixView().attach(engine)         # live: a frame per event
 """
+
+from .frames import Frame, FrameBuilder, NodeView, frames_from_events, image_names
+from .layout import StableLayout
+from .svg import frame_svg
+from .widget import RadixView, replay_scenario, run_engine
+
+__all__ = [
+    "Frame",
+    "FrameBuilder",
+    "NodeView",
+    "RadixView",
+    "StableLayout",
+    "frame_svg",
+    "frames_from_events",
+    "image_names",
+    "replay_scenario",
+    "run_engine",
+]

@@ -1,0 +1,228 @@
+"""A static SVG of one frame: the widget's fallback for viewers without a kernel.
+
+GitHub, nbviewer and ``nbconvert`` cannot run the widget's JavaScript; they show this picture
+instead, and nbval compares it byte for byte. So the output depends on the frame alone: no
+ids from memory, no floats, no dates, nodes and cells in a fixed order.
+
+The geometry and colours are those of ``viz/static/radix_view.js`` (keep the two in step):
+a node is a box in its layout cell ``(col, depth)``, coloured by its state as in Figure 3 of
+the SGLang paper (green added, blue accessed, red dashed evicted, grey untouched), with its
+``lock_ref`` in an orange badge; the edges into locked nodes (the locked paths) are thick
+orange; an edge that starts with an image (a fork at an image boundary) is purple. Under
+the tree, the KV pool: one cell per page, coloured by the owner's state (tree node), orange
+(running request) or white (free).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from xml.sax.saxutils import escape, quoteattr
+
+from .frames import Frame, NodeView
+
+__all__ = ["COLORS", "frame_svg"]
+
+# Layout geometry, in px (radix_view.js uses the same numbers).
+COL_W, ROW_H = 176, 76
+BOX_W, BOX_H = 156, 40
+MARGIN = 12
+CELL, CELL_PITCH, CELLS_PER_ROW = 10, 12, 64
+FONT = "Helvetica, Arial, sans-serif"
+
+# state -> (fill, stroke); the paper's colours.
+COLORS = {
+    "added": ("#d4edcf", "#3a8a2e"),
+    "accessed": ("#d6e6fb", "#2f62b0"),
+    "split": ("#eeeeee", "#444444"),
+    "idle": ("#eeeeee", "#777777"),
+    "evicted": ("#ffffff", "#c62828"),
+}
+LOCK = "#e67e22"
+IMAGE = "#8e44ad"
+REQUEST = ("#f6c177", "#b7791f")
+FREE = ("#ffffff", "#cccccc")
+
+
+def _box(n: NodeView, top: int) -> tuple[int, int]:
+    """Top-left corner of a node's box."""
+    return MARGIN + n.col * COL_W, top + n.depth * ROW_H
+
+
+def _edge(parent: NodeView, child: NodeView, top: int) -> str:
+    px, py = _box(parent, top)
+    cx, cy = _box(child, top)
+    x1, y1 = px + BOX_W // 2, py + BOX_H
+    x2, y2 = cx + BOX_W // 2, cy
+    ym = (y1 + y2) // 2
+    return f"M{x1},{y1} C{x1},{ym} {x2},{ym} {x2},{y2}"
+
+
+def _node(n: NodeView, top: int) -> list[str]:
+    x, y = _box(n, top)
+    if n.id == 0:
+        cx = x + BOX_W // 2
+        return [
+            f'<g class="node root" data-id="0"><circle cx="{cx}" cy="{y + BOX_H // 2}" r="16" '
+            'fill="#eeeeee" stroke="#777777"/>'
+            f'<text x="{cx}" y="{y + BOX_H // 2 + 4}" text-anchor="middle" font-size="11">'
+            "root</text></g>"
+        ]
+    fill, stroke = COLORS[n.state]
+    dash = ' stroke-dasharray="5,3"' if n.state == "evicted" else ""
+    width = 2 if n.lock_ref or n.state != "idle" else 1
+    if n.lock_ref and n.state in ("idle", "split"):
+        stroke = LOCK
+    ink = COLORS["evicted"][1] if n.state == "evicted" else "#222222"
+    label = n.label
+    hover = f"node {n.id}: {n.num_tokens} tokens, lock_ref {n.lock_ref}, "
+    hover += f"last access {n.last_access}"
+    if n.extra_key is not None:
+        hover += f", extra_key {n.extra_key}"
+    head = f"#{n.id}  {n.num_tokens} tok  t={n.last_access}"
+    if n.state == "evicted":
+        head = f"#{n.id}  evicted  {n.num_tokens} tok"
+    elif n.state == "split":
+        head = f"✂ {head}"
+    out = [
+        f'<g class="node {n.state}" data-id="{n.id}">',
+        f"<title>{escape(hover + chr(10) + label.full)}</title>",
+        f'<rect x="{x}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="6" fill="{fill}" '
+        f'stroke="{stroke}" stroke-width="{width}"{dash}/>',
+    ]
+    if label.images and label.images[0][0] == 0:
+        out.append(f'<rect x="{x}" y="{y + 3}" width="4" height="{BOX_H - 6}" fill="{IMAGE}"/>')
+    out.append(
+        f'<text x="{x + 8}" y="{y + 15}" font-size="11" font-weight="bold" fill="{ink}">'
+        f"{escape(head)}</text>"
+    )
+    spans = "".join(
+        f"<tspan{' fill=' + quoteattr(IMAGE) if kind == 'image' else ''}>{escape(t)}</tspan>"
+        for kind, t in label.parts
+    )
+    out.append(
+        f'<text x="{x + 8}" y="{y + 32}" font-size="11" fill="{ink}" xml:space="preserve">'
+        f"{spans}</text>"
+    )
+    if n.lock_ref:
+        bx, by = x + BOX_W - 11, y + 11
+        out.append(
+            f'<circle cx="{bx}" cy="{by}" r="9" fill="{LOCK}"/><text x="{bx}" y="{by + 4}" '
+            f'text-anchor="middle" font-size="10" font-weight="bold" fill="#ffffff">'
+            f"{n.lock_ref}</text>"
+        )
+    out.append("</g>")
+    return out
+
+
+def _pool(frame: Frame, top: int) -> list[str]:
+    pool = frame.pool
+    states = {n.id: n for n in frame.nodes}
+    used = {"tree": 0, "request": 0, "free": 0}
+    out = []
+    for start, length, owner in pool.runs:
+        if owner is None:
+            (fill, stroke), kind = FREE, "free"
+        elif isinstance(owner, str):
+            (fill, stroke), kind = REQUEST, "request"
+        else:
+            node = states.get(owner)
+            fill, stroke = COLORS[node.state if node is not None else "idle"]
+            if node is not None and node.lock_ref:
+                stroke = LOCK
+            kind = "tree"
+        used[kind] += length
+        # One bar per row that the run covers, not one rect per cell: a pool of hundreds of
+        # slots would otherwise make every frame's SVG tens of kilobytes.
+        i, end = start, start + length
+        while i < end:
+            r, c = divmod(i, CELLS_PER_ROW)
+            n = min(end - i, CELLS_PER_ROW - c)
+            out.append(
+                f'<rect class="pool" x="{MARGIN + c * CELL_PITCH}" '
+                f'y="{top + 18 + r * CELL_PITCH}" width="{(n - 1) * CELL_PITCH + CELL}" '
+                f'height="{CELL}" fill="{fill}" stroke="{stroke}"/>'
+            )
+            i += n
+    unit = "slots" if pool.page_size == 1 else f"pages of {pool.page_size} tokens"
+    head = (
+        f"KV pool: {pool.num_cells} {unit}: {used['tree']} tree, "
+        f"{used['request']} running requests, {used['free']} free"
+    )
+    return [f'<text x="{MARGIN}" y="{top + 12}" font-size="11">{escape(head)}</text>', *out]
+
+
+def _legend(y: int) -> list[str]:
+    items = [(s, *COLORS[s]) for s in ("added", "accessed", "split", "evicted", "idle")]
+    items += [("locked", "#ffffff", LOCK), ("request", *REQUEST), ("free", *FREE)]
+    out, x = [], MARGIN
+    for name, fill, stroke in items:
+        dash = ' stroke-dasharray="3,2"' if name == "evicted" else ""
+        out.append(
+            f'<rect x="{x}" y="{y}" width="10" height="10" fill="{fill}" stroke="{stroke}" '
+            f'stroke-width="2"{dash}/><text x="{x + 14}" y="{y + 9}" font-size="10">{name}</text>'
+        )
+        x += 24 + 7 * len(name)
+    return out
+
+
+def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110) -> str:
+    """The frame as a standalone SVG document (a str).
+
+    Args:
+        frame: the frame to draw.
+        heading: the first line (e.g. ``"step 4/9"``); the frame's title is appended.
+        caption_width: characters per line of the wrapped caption (at most 4 lines).
+    """
+    heading = " · ".join(h for h in (heading, frame.title) if h)
+    caption = textwrap.wrap(frame.caption, caption_width) or [""]
+    if len(caption) > 4:
+        caption = caption[:3] + [caption[3][: caption_width - 1] + "…"]
+    top = MARGIN + 16 * (len(caption) + (1 if heading else 0)) + 8
+    cols = 1 + max(n.col for n in frame.nodes)
+    rows = 1 + max(n.depth for n in frame.nodes)
+    pool_top = top + rows * ROW_H
+    pool_rows = -(-frame.pool.num_cells // CELLS_PER_ROW)
+    legend_y = pool_top + 18 + pool_rows * CELL_PITCH + 10
+    width = max(MARGIN * 2 + cols * COL_W, MARGIN * 2 + CELLS_PER_ROW * CELL_PITCH, 640)
+    height = legend_y + 10 + MARGIN
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="{FONT}" class="radix-view-static">',
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+    ]
+    y = MARGIN + 12
+    if heading:
+        out.append(
+            f'<text x="{MARGIN}" y="{y}" font-size="13" font-weight="bold">{escape(heading)}</text>'
+        )
+        y += 16
+    for line in caption:
+        out.append(f'<text x="{MARGIN}" y="{y}" font-size="12">{escape(line)}</text>')
+        y += 16
+    by_id = {n.id: n for n in frame.nodes}
+    for n in frame.nodes:
+        if n.parent is None:
+            continue
+        color, w, dash = "#888888", 1.5, ""
+        if n.state == "evicted":
+            color, dash = COLORS["evicted"][1], ' stroke-dasharray="5,3"'
+        elif n.lock_ref:
+            color, w = LOCK, 4
+        elif n.label.images and n.label.images[0][0] == 0:
+            color, w = IMAGE, 2.5
+        out.append(
+            f'<path d="{_edge(by_id[n.parent], n, top)}" fill="none" stroke="{color}" '
+            f'stroke-width="{w}"{dash}/>'
+        )
+        if n.state == "split":  # the cut: where the old edge was divided
+            px, py = _box(by_id[n.parent], top)
+            out.append(
+                f'<text x="{px + BOX_W // 2 + 6}" y="{py + BOX_H + 14}" font-size="12" '
+                f'fill="#555555">✂</text>'
+            )
+    for n in frame.nodes:
+        out += _node(n, top)
+    out += _pool(frame, pool_top)
+    out += _legend(legend_y)
+    out.append("</svg>")
+    return "\n".join(out)
