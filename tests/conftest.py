@@ -49,3 +49,19 @@ def _seed_everything() -> None:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The course's shipped tokenizer (data/tokenizer/)."""
+    from minirad.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def steps(tokenizer):
+    """The visualizer's frames of SGLang's Figure 3, one per panel."""
+    from viz.sources import scenario_frames
+
+    return scenario_frames(per="step", tokenizer=tokenizer)

@@ -28,7 +28,6 @@ from minirad.scenario import (
     draw_step,
     load_scenario,
 )
-from minirad.tokenizer import load_tokenizer
 
 # The reference table (sglang-figure3.md), step by step: the letters the figure's caption
 # uses for nodes added / accessed / evicted / split / left untouched, and how many nodes
@@ -66,11 +65,6 @@ def real_tree(cache: RadixCache) -> dict[int, tuple[int, tuple[int, ...]]]:
             out[child.id] = (node.id, tuple(child.key))
             stack.append(child)
     return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")

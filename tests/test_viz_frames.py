@@ -25,7 +25,6 @@ from minirad.events import EventBus, EventRecorder, StepEvent, load_events, save
 from minirad.kv_pool import TokenToKVPoolAllocator
 from minirad.multimodal import hash_image
 from minirad.scenario import ScenarioReplay
-from minirad.tokenizer import load_tokenizer
 from viz import FrameBuilder, RadixView, frames_from_events, image_names
 from viz.frames import StepView
 from viz.sources import scenario_frames
@@ -118,16 +117,6 @@ def assert_tree(frame, expected: dict, parent: int = 0, where: str = "root") -> 
         node = find(frame, text, parent)
         assert node.state == state, (text, node.state, state)
         assert_tree(frame, below, node.id, text)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def steps(tokenizer):
-    return scenario_frames(per="step", tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirad.tokenizer import load_tokenizer
 from viz import StableLayout
 from viz.sources import scenario_frames
 
@@ -106,11 +105,6 @@ def test_a_ghost_keeps_its_cell_until_released():
 
 
 # ---------------------------------------------------------------------- Figure 3
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
 def below_a_cut(i: int | None, new_suffixes: set[int], parents: dict) -> bool:
     """True if ``i`` or an ancestor is the new lower half of a cut edge (its subtree moved
     down one row)."""

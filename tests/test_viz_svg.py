@@ -13,17 +13,11 @@ import pytest
 
 from minirad import RadixCache
 from minirad.events import EventBus
-from minirad.tokenizer import load_tokenizer
 from viz import FrameBuilder, RadixView, frame_svg
 from viz.sources import scenario_frames
 from viz.svg import CELL, CELL_PITCH, CELLS_PER_ROW, COLORS, IMAGE, LOCK
 
 SVG = "{http://www.w3.org/2000/svg}"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")

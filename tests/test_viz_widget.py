@@ -21,7 +21,6 @@ from tiny_models import IMAGE_SIZE, tiny_llava_processor, tiny_model
 from minirad import RadixCache
 from minirad.events import EventBus, EventRecorder
 from minirad.kv_pool import TokenToKVPoolAllocator
-from minirad.tokenizer import load_tokenizer
 from viz import RadixView, frames_from_events, run_engine
 from viz.export import STATIC, html_page
 from viz.frames import frames_to_wire
@@ -31,16 +30,6 @@ from viz.svg import COL_W, MARGIN, ROW_H
 ROOT = Path(__file__).resolve().parent.parent
 NODE = shutil.which("node")
 needs_node = pytest.mark.skipif(NODE is None, reason="node is not installed")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def steps(tokenizer):
-    return scenario_frames(per="step", tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------------- packaging
