@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+from tiny_models import FAMILIES, tiny_model
 
 # The exercises' shared tests live in exercise_contract.py, not a test_*.py file: pytest must be
 # told to rewrite its asserts, or their failures show no values
@@ -65,3 +66,15 @@ def steps(tokenizer):
     from viz.sources import scenario_frames
 
     return scenario_frames(per="step", tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    """Each supported VLM family in turn (tests/tiny_models.py)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(family):
+    """A tiny config-built model of ``family``, random weights."""
+    return tiny_model(family)

@@ -17,7 +17,6 @@ import torch
 from PIL import Image
 from tiny_models import (
     BOS_ID,
-    FAMILIES,
     IMAGE_SIZE,
     IMAGE_TOKEN_ID,
     VOCAB_SIZE,
@@ -64,16 +63,6 @@ CASES = [
     ("<s> w50 w51 <image>", [IMG_B]),
     ("<s> w50 w51 <image>", [IMG_B]),
 ]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def model(family):
-    return tiny_model(family)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 from tiny_models import (
-    FAMILIES,
     IMAGE_TOKEN_ID,
     VOCAB_SIZE,
     perturb_,
@@ -20,7 +19,6 @@ from tiny_models import (
     text_config,
     tiny_llava,
     tiny_llava_processor,
-    tiny_model,
 )
 from transformers import LlavaConfig, MistralConfig, Qwen2ForCausalLM, Qwen2VLConfig
 
@@ -39,16 +37,6 @@ from minirad.multimodal import placeholder_runs
 
 ATOL = 1e-4
 DECODE_STEPS = 8
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def model(family):
-    return tiny_model(family)
 
 
 class Pool:
