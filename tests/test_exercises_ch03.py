@@ -10,7 +10,7 @@ the last operation that entered an edge). They are written for these small exerc
 
 from __future__ import annotations
 
-from exercise_contract import ExerciseContract, near_misses
+from exercise_contract import ExerciseContract
 
 from minirad import RadixCache
 from minirad.exercises import ch03
@@ -146,16 +146,8 @@ DIAGNOSED = [
 ]
 
 
-def wrong_answers(right):
-    """The contract's near misses, less keys with a token id written as a float: q2's and
-    q4's checkers compare keys with ``==``, which takes ``4.0`` for token 4."""
-    keys = isinstance(right, list | dict)  # q2: a list of keys; q4: a key per policy
-    return [w for w in near_misses(right) if not (keys and w == right)]
-
-
 class TestExerciseContract(ExerciseContract):
     chapter = ch03
     cases = CASES
     diagnosed = DIAGNOSED
     solution_globals = {"RadixCache": RadixCache, **vars(ch03)}  # what the notebook imports
-    wrong_answers = staticmethod(wrong_answers)

@@ -56,10 +56,19 @@ def _int_pair(answer: object, names: tuple[str, str]) -> tuple[int, int]:
     return answer[0], answer[1]
 
 
+def _key(key: object) -> list[int]:
+    # Token ids are ints: `==` would take 4.0 (or True) for a token id.
+    if not isinstance(key, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in key
+    ):
+        raise TypeError("a key is a list of int token ids, e.g. [1, 2]")
+    return list(key)
+
+
 def _keys(answer: object) -> list[list[int]]:
-    if not isinstance(answer, list | tuple) or not all(isinstance(k, list | tuple) for k in answer):
+    if not isinstance(answer, list | tuple):
         raise TypeError("expected a list of keys, e.g. [[1, 2], [3]]")
-    return [list(k) for k in answer]
+    return [_key(k) for k in answer]
 
 
 # q1 -------------------------------------------------------------------------------------------
@@ -220,7 +229,7 @@ def _check_q4(answer: object) -> str | None:
     if not isinstance(answer, dict) or set(answer) != set(POLICY_NAMES):
         return 'expected a dict {"lru": key, "lfu": key, "fifo": key}'
     expected = q4_expected()
-    wrong = [p for p in POLICY_NAMES if list(answer[p]) != expected[p]]
+    wrong = [p for p in POLICY_NAMES if _key(answer[p]) != expected[p]]
     if not wrong:
         return None
     return f"wrong for {', '.join(wrong)}: recall each policy's sort key (minirad/eviction.py)"
