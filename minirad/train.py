@@ -596,12 +596,7 @@ def _write_model_card(
         else ""
     )
     weak = [f"{t} ({a:.3f})" for t, a in accuracy.items() if t in TASK_TYPES and a < 0.95]
-    limits = (
-        f"Below 0.95: {', '.join(weak)}. Where the model answers wrongly it has not learned to"
-        " compare the positions of two named shapes: on left/right it is near chance."
-        if weak
-        else "Every task is at 0.95 or better."
-    )
+    limits = f"Below 0.95: {', '.join(weak)}." if weak else "Every task is at 0.95 or better."
     curve_rows = "\n".join(
         f"| {s} | {t:.0f} | {loss:.4f} | {c:.3f} | {q:.3f} |" for s, t, loss, c, q in curve
     )
