@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
+from .argtypes import positive_int
 from .engine import (
     POLICIES,
     PREFIX_STRATEGIES,
@@ -274,13 +275,6 @@ def _batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local model folder")
     p.add_argument(
@@ -288,7 +282,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send prompts as written (already templated, with image placeholders)",
     )
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(g)
     g.add_argument("--prompt", required=True, help="the question")
     g.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    g.add_argument("--max-new-tokens", type=positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0, help="0: off")
     g.add_argument("--top-p", type=float, default=1.0, help="1: off")
@@ -312,10 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("batch", help="answer a JSONL file of requests", formatter_class=fmt)
     _add_common(b)
     b.add_argument("requests", help="JSONL file: one request object per line")
-    b.add_argument("--max-new-tokens", type=_positive_int, default=32, help="unless a line sets it")
+    b.add_argument("--max-new-tokens", type=positive_int, default=32, help="unless a line sets it")
     b.add_argument("--prefix-strategy", choices=PREFIX_STRATEGIES, default="radix")
-    b.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
-    b.add_argument("--num-kv-slots", type=_positive_int, default=4096, help="KV pool in tokens")
+    b.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
+    b.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool in tokens")
     b.add_argument("--policy", choices=POLICIES, default="fcfs", help="scheduling order")
     b.set_defaults(run=_batch)
     return parser

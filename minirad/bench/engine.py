@@ -40,6 +40,7 @@ import torch
 from PIL import Image
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from ..argtypes import positive_int
 from ..engine import PREFIX_STRATEGIES, GenerateRequest, LLMEngine, SamplingParams
 from ..errors import InvalidArgumentError
 from ..models import DEFAULT_MODEL_DIR, load_model
@@ -387,29 +388,22 @@ def format_report(results: Sequence[WorkloadResult]) -> str:
     return "\n\n".join([*blocks, note])
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``engine`` subcommand's options."""
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local model folder")
-    parser.add_argument("--images", type=_positive_int, default=4, help="workload (a) images")
+    parser.add_argument("--images", type=positive_int, default=4, help="workload (a) images")
     parser.add_argument(
-        "--questions", type=_positive_int, default=8, help="workload (a) questions per image (<= 8)"
+        "--questions", type=positive_int, default=8, help="workload (a) questions per image (<= 8)"
     )
-    parser.add_argument("--unique", type=_positive_int, default=16, help="workload (b) requests")
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="requests in flight")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=16)
-    parser.add_argument("--num-kv-slots", type=_positive_int, default=4096, help="KV pool, tokens")
-    parser.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
+    parser.add_argument("--unique", type=positive_int, default=16, help="workload (b) requests")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="requests in flight")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool, tokens")
+    parser.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenes")
-    parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
     parser.add_argument(
-        "--repeat", type=_positive_int, default=3, help="runs per system; the fastest is kept"
+        "--repeat", type=positive_int, default=3, help="runs per system; the fastest is kept"
     )
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from ..argtypes import positive_int
 from ..errors import InvalidArgumentError
 from ..eviction import POLICIES
 from ..kv_pool import TokenToKVPoolAllocator
@@ -304,26 +305,17 @@ def format_report(bench: RadixBenchmark) -> str:
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``radix`` subcommand's options."""
     parser.add_argument(
-        "--conversations", type=_positive_int, default=2000, help="number of conversations"
+        "--conversations", type=positive_int, default=2000, help="number of conversations"
     )
-    parser.add_argument(
-        "--turns", type=_positive_int, default=4, help="mean turns per conversation"
-    )
+    parser.add_argument("--turns", type=positive_int, default=4, help="mean turns per conversation")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     parser.add_argument(
-        "--capacity", type=_positive_int, default=262144, help="KV pool size in tokens"
+        "--capacity", type=positive_int, default=262144, help="KV pool size in tokens"
     )
-    parser.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
+    parser.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
     parser.add_argument(
         "--policy",
         default="lru",
