@@ -50,10 +50,16 @@ __all__ = [
     "UnlockEvent",
     "event_from_dict",
     "load_events",
+    "plural",
     "save_events",
 ]
 
 Subscriber = Callable[["Event"], None]
+
+
+def plural(n: int, noun: str) -> str:
+    """``"1 token"``, ``"2 tokens"``: a count and its noun, for captions and printouts."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +118,7 @@ class InsertEvent(Event):
             return f"insert: all {self.prefix_len} tokens already cached"
         return (
             f"insert: {self.prefix_len} tokens cached, new node {self.node_id} "
-            f"({len(self.key)} tokens) under node {self.parent_id}"
+            f"({plural(len(self.key), 'token')}) under node {self.parent_id}"
         )
 
 
@@ -171,7 +177,7 @@ class EvictEvent(Event):
     value: tuple[int, ...] = ()
 
     def describe(self) -> str:
-        return f"evicted node {self.node_id}: {self.num_tokens} tokens"
+        return f"evicted node {self.node_id}: {plural(self.num_tokens, 'token')}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from .events import (
     ResetEvent,
     SplitEvent,
     UnlockEvent,
+    plural,
 )
 from .eviction import EvictionPolicy, get_policy
 from .kv_pool import TokenToKVPoolAllocator
@@ -122,7 +123,7 @@ class TreeNode:
         more = ", ..." if len(self.key) > 8 else ""
         return (
             f"TreeNode(id={self.id}, key=[{', '.join(map(str, head))}{more}] "
-            f"({len(self.key)} tokens), lock_ref={self.lock_ref})"
+            f"({plural(len(self.key), 'token')}), lock_ref={self.lock_ref})"
         )
 
 

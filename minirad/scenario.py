@@ -39,6 +39,7 @@ from .events import (
     MatchEvent,
     ResetEvent,
     SplitEvent,
+    plural,
 )
 from .eviction import EvictionPolicy
 from .kv_pool import TokenToKVPoolAllocator
@@ -442,7 +443,7 @@ def draw_step(result: StepResult, width: int = 28, max_lines: int = 5) -> graphv
         head = f"({tags[node.id]}) " if node.id in tags else ""
         head += "evicted, " if state == "evicted" else ""
         text = _label_text(result.texts[node.id], width, max_lines)
-        label = f"{graphviz.escape(head)}{len(node.key)} tokens\\l{text}"
+        label = f"{graphviz.escape(head)}{plural(len(node.key), 'token')}\\l{text}"
         style = "rounded,dashed" if state == "evicted" else "rounded,filled"
         dot.node(str(node.id), label, fontsize="9", style=style, **_STYLE[state])
         edge = {"style": "dashed", "color": "#c62828"} if state == "evicted" else {}

@@ -202,3 +202,14 @@ def test_a_bus_without_subscribers_builds_no_events() -> None:
     unsubscribe()
     assert not bus.active
     assert bus.tick() == 1 and bus.tick() == 2
+
+
+def test_descriptions_count_tokens_in_words(radix) -> None:
+    cache, alloc, log = radix
+    slots = alloc.alloc(3)
+    cache.insert([1, 2, 3], slots)
+    more = slots + alloc.alloc(1)
+    (one,) = log.of(lambda: cache.insert([1, 2, 3, 4], more))
+    assert one.describe() == "insert: 3 tokens cached, new node 2 (1 token) under node 1"
+    evictions = log.of(lambda: cache.evict(1))
+    assert [e.describe() for e in evictions if e.kind == "evict"] == ["evicted node 2: 1 token"]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import textwrap
 from xml.sax.saxutils import escape, quoteattr
 
+from minirad.events import plural
+
 from .frames import Frame, NodeView
 
 __all__ = ["COLORS", "frame_svg"]
@@ -74,7 +76,7 @@ def _node(n: NodeView, top: int) -> list[str]:
         stroke = LOCK
     ink = COLORS["evicted"][1] if n.state == "evicted" else "#222222"
     label = n.label
-    hover = f"node {n.id}: {n.num_tokens} tokens, lock_ref {n.lock_ref}, "
+    hover = f"node {n.id}: {plural(n.num_tokens, 'token')}, lock_ref {n.lock_ref}, "
     hover += f"last access {n.last_access}"
     if n.extra_key is not None:
         hover += f", extra_key {n.extra_key}"

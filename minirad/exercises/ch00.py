@@ -6,7 +6,7 @@ from ..radix_cache import RadixCache, Req
 from ..tokenizer import load_tokenizer
 from . import Exercise
 
-__all__ = ["q1", "q2"]
+__all__ = ["Q1_SOLUTION", "Q2_SOLUTION", "q1", "q2"]
 
 _SYSTEM = "You are a helpful assistant. "
 _CHATS = (
@@ -31,6 +31,8 @@ def _tour_cache() -> tuple[RadixCache, list[int]]:
 
 
 def _check_q1(answer: object) -> str | None:
+    if not isinstance(answer, int) or isinstance(answer, bool):
+        return f"expected a whole number of tokens, got {answer!r}"
     expected = _tour_cache()[1][1]
     if answer != expected:
         return (
@@ -40,6 +42,10 @@ def _check_q1(answer: object) -> str | None:
 
 
 def _check_q2(answer: object) -> str | None:
+    if not isinstance(answer, list | tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in answer
+    ):
+        return f"expected a list of node ids (ints), got {answer!r}"
     cache, _ = _tour_cache()
     _, node = cache.match_prefix(load_tokenizer().encode(_THIRD))
     path = []
@@ -52,17 +58,32 @@ def _check_q2(answer: object) -> str | None:
     return None
 
 
+Q1_SOLUTION = (
+    "# chat-2 reused the tokens it shares with chat-1 (the number serve() printed):\n"
+    "answer = next(i for i, (a, b) in enumerate(zip(ids_1, ids_2)) if a != b)"
+)
+Q2_SOLUTION = (
+    "# The system-prompt node, then chat-1's node: the match splits it, and the prefix part\n"
+    "# keeps the id.\n"
+    'third = tok.encode(system + "User: Hello! Assistant: Bye")\n'
+    "_, node = cache.match_prefix(third)\n"
+    "answer = []\n"
+    "while node is not cache.root_node:\n"
+    "    answer.insert(0, node.id)\n"
+    "    node = node.parent"
+)
+
+
 q1 = Exercise(
     "00.1 tokens reused",
     _check_q1,
     hint="serve() prints, for each request, how many prompt tokens came from the cache.",
-    solution="The number printed as 'reused' for chat-2: its shared system prompt tokens.",
+    solution=Q1_SOLUTION,
 )
 q2 = Exercise(
     "00.2 the matched path",
     _check_q2,
     hint="The third chat shares the system prompt with both chats and 'User: Hello! Assistant:' "
     "with chat-1 only; where does it leave chat-1's edge?",
-    solution="The system-prompt node, then chat-1's node (the match splits it, and the prefix "
-    "keeps the id). Check with cache.match_prefix(tok.encode(third)) and walk .parent.",
+    solution=Q2_SOLUTION,
 )

@@ -44,6 +44,7 @@ function htmlEl(tag, cls, parent, text) {
 }
 
 // A node arrives as a list (viz/frames.py NodeView.to_wire): a tree per frame, kept small.
+const plural = (n, noun) => `${n} ${noun}${n === 1 ? "" : "s"}`;
 const unpackNode = ([id, parent, col, depth, n, lock, last, state, label, extra_key]) =>
   ({ id, parent, col, depth, n, lock, last, state, label, extra_key });
 const unpackFrame = (f) => ({ ...f, nodes: f.nodes.map(unpackNode) });
@@ -282,7 +283,7 @@ function render({ model, el }) {
     r.head.textContent = n.state === "evicted"
       ? `#${n.id}  evicted  ${n.n} tok`
       : `${n.state === "split" ? "✂ " : ""}#${n.id}  ${n.n} tok  t=${n.last}`;
-    let hover = `node ${n.id}: ${n.n} tokens, lock_ref ${n.lock}, last access ${n.last}`;
+    let hover = `node ${n.id}: ${plural(n.n, "token")}, lock_ref ${n.lock}, last access ${n.last}`;
     if (n.extra_key !== null) hover += `, extra_key ${n.extra_key}`;
     r.title.textContent = `${hover}\n${label.full}`;
     r.badge.style.display = n.lock > 0 ? "" : "none";
@@ -488,10 +489,10 @@ function render({ model, el }) {
       const label = labels[n.label];
       const count = poolOwners.filter((o) => o === n.id).length;
       htmlEl("div", "", details,
-        `node ${n.id} (parent ${n.parent}): ${n.n} tokens, lock_ref ${n.lock}, ` +
+        `node ${n.id} (parent ${n.parent}): ${plural(n.n, "token")}, lock_ref ${n.lock}, ` +
         `last access t=${n.last}, state ${n.state}, ${count} pool cells`);
       if (label.images.length) {
-        const spans = label.images.map(([o, k, name]) => `${name} (${k} tokens at ${o})`);
+        const spans = label.images.map(([o, k, name]) => `${name} (${plural(k, "token")} at ${o})`);
         const line = htmlEl("div", "rv-chip", details, `images: ${spans.join(", ")}`);
         for (const [, , name] of label.images) {
           if (!thumbs[name]) continue;
