@@ -90,6 +90,15 @@ def near_misses(right: object) -> list[object]:
     return list(unique.values())
 
 
+def common_len(a: Sequence[object], b: Sequence[object]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``: what a radix tree with page
+    size 1 reuses, computed on plain lists for the chapters' oracles."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _plus_one(n: int) -> int:
     return n if isinstance(n, bool) else n + 1
 

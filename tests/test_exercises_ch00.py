@@ -6,7 +6,7 @@ chat-1's split edge keeps its id) and, when it shares more than that with chat-1
 remaining edge (id 2, made by that split).
 """
 
-from exercise_contract import ExerciseContract
+from exercise_contract import ExerciseContract, common_len
 
 from minirad import RadixCache, Req, TokenToKVPoolAllocator
 from minirad.exercises import ch00
@@ -17,13 +17,6 @@ SYSTEM = "You are a helpful assistant. "
 IDS_1 = TOK.encode(SYSTEM + "User: Hello! Assistant: Hi! How can I help you today?")
 IDS_2 = TOK.encode(SYSTEM + "User: What can you do? Assistant: I can answer questions.")
 THIRD = TOK.encode(SYSTEM + "User: Hello! Assistant: Bye")
-
-
-def common_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def oracle_q1() -> int:

@@ -6,17 +6,10 @@ The expected answers are recomputed here from the exercise data with brute-force
 plain lists (no tree), so a checker that drifts from the radix-tree semantics fails.
 """
 
-from exercise_contract import ExerciseContract
+from exercise_contract import ExerciseContract, common_len
 
 from minirad import RadixCache
 from minirad.exercises import ch01
-
-
-def common_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def oracle_q1() -> int:

@@ -10,18 +10,11 @@ the last operation that entered an edge). They are written for these small exerc
 
 from __future__ import annotations
 
-from exercise_contract import ExerciseContract
+from exercise_contract import ExerciseContract, common_len
 
 from minirad import RadixCache
 from minirad.exercises import ch03
 from minirad.scenario import ScenarioReplay
-
-
-def common_len(a, b) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def edges(keys: list[list[int]]) -> dict[tuple, tuple]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from exercise_contract import ExerciseContract, near_misses
+from exercise_contract import ExerciseContract, common_len, near_misses
 from PIL import Image
 from transformers import AutoConfig, AutoProcessor
 
@@ -42,13 +42,6 @@ def key(image: str, question: str) -> list:
     pixels = Image.open(ch05.IMAGE_DIR / image)
     ids = proc(text=text, images=[pixels], return_tensors="pt")["input_ids"][0].tolist()
     return [image if t == image_token_id() else t for t in ids]
-
-
-def common_len(a, b) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def first_image(k: list) -> int:
