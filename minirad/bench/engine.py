@@ -135,7 +135,7 @@ def default_workloads(
     questions: list[str] = []
     for scene in scenes[num_images:]:  # a distinct question per scene (varying scenes, types)
         for _ in range(100):
-            q = ask(scene, rng.choice(("shape", "exists", "relation", "where")), rng)
+            q = ask(scene, rng.choice(("colour", "shape", "exists", "where")), rng)
             if q is not None and q.prompt not in questions:
                 questions.append(q.prompt)
                 break
