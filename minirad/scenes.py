@@ -86,7 +86,7 @@ SUPERSAMPLE = 4  # draw at 4x and box-filter down: anti-aliased, integer-exact e
 
 CAPTION_PROMPT = "Describe the image."
 # System prompts for examples that share a system turn (the radix cache's favourite case);
-# `python -m minirad.train --system-prob P` also trains with them.
+# the tiny VLM's training opens a quarter of its prompts with one (`--system-prob`).
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
     "You are a careful assistant. Look at the picture and answer briefly.",
