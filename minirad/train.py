@@ -670,8 +670,10 @@ print(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_toke
 Data: scenes drawn on the fly by `minirad.scenes.random_scene` (1 to 3 shapes in a row, 6
 colours, circle / square / triangle, random sizes, gaps and places; rows left to right or top
 to bottom), never repeated. Each scene is asked its caption and {cfg.questions_per_image} other
-questions, drawn without replacement with weights {weights}{system}. The questions
-about one image share one packed sequence: the image prefix is encoded once and a 4-D attention
+questions, drawn without replacement with weights {weights}{system}. Every prompt template and
+its answer are in `minirad.scenes`; a "where" answer names the two shapes in reading order
+("the red circle is left of the blue square"). The questions about one image share one
+packed sequence: the image prefix is encoded once and a 4-D attention
 mask keeps each question's tokens from seeing the other questions, so every answer is computed
 exactly as for a one-question prompt (`minirad.train.PackedBatcher`). Loss: cross-entropy on
 the answer tokens and the closing `<|im_end|>` only.
