@@ -256,9 +256,9 @@ def make_examples(
 
     ``questions_per_image=None`` asks every task the scene admits
     (:func:`minirad.scenes.questions`: the caption and up to five questions); an integer k
-    asks the caption and k random other questions. The caption names every shape, so it
-    carries the most about the picture per token. With probability ``system_prob`` a scene's
-    prompts open with one of :data:`minirad.scenes.SYSTEM_PROMPTS`.
+    asks the caption and k other questions, drawn by :data:`QUESTION_WEIGHTS`. The caption
+    names every shape, so it carries the most about the picture per token. With probability
+    ``system_prob`` a scene's prompts open with one of :data:`minirad.scenes.SYSTEM_PROMPTS`.
     """
     examples = []
     for _ in range(n):
