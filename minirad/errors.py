@@ -52,3 +52,13 @@ class RequestError(MiniradError, ValueError):
     """A generation request the engine cannot serve: an empty prompt, a prompt longer than
     the model's context, ``max_new_tokens < 1``, bad sampling parameters, or a request that
     could never fit in the KV pool. Raised by the engine before the request is queued."""
+
+
+class PeerError(MiniradError, RuntimeError):
+    """A real peer engine (vLLM in its own venv, see ``make vllm``) is missing, did not start,
+    or answered something minirad cannot read."""
+
+
+class KVEventError(MiniradError, ValueError):
+    """A KV-event frame (vLLM's ZMQ wire format) is malformed or truncated; the subscriber
+    skips it and keeps running."""

@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import (
     CLIPVisionConfig,
@@ -551,9 +553,7 @@ def train(cfg: TrainConfig, command: str = "") -> dict[str, float]:
         bar.set_postfix(loss=f"{ema:.4f}", refresh=False)
     seconds = time.perf_counter() - start
 
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(cfg.out)
-    processor.save_pretrained(cfg.out)
+    save_checkpoint(model, processor, cfg.out)
     # Evaluate what was saved, loaded back the way users load it.
     auto_model, auto_processor = (
         transformers.AutoModelForImageTextToText,
@@ -570,6 +570,38 @@ def train(cfg: TrainConfig, command: str = "") -> dict[str, float]:
     _write_model_card(cfg, model, command, seconds, eval_seconds, accuracy, with_system, curve)
     print(f"trained {cfg.steps} steps in {seconds:.0f} s; accuracy {accuracy}")
     return accuracy
+
+
+# Every LLaVA on the Hub, and vLLM's loader, name the CLIP tower's weights
+# ``vision_tower.vision_model.*`` (the ``CLIPVisionModel`` wrapper). transformers 5 builds the
+# tower without that wrapper and saves a model made from a config as ``vision_tower.*``; it
+# maps the Hub names back when loading, so only the file needs the Hub's names.
+_TOWER = "vision_tower."
+_HUB_TOWER = "vision_tower.vision_model."
+
+
+def _hub_name(key: str) -> str:
+    if key.startswith(_TOWER) and not key.startswith(_HUB_TOWER):
+        return _HUB_TOWER + key[len(_TOWER) :]
+    return key
+
+
+def save_checkpoint(
+    model: LlavaForConditionalGeneration, processor: LlavaProcessor, out: Path
+) -> None:
+    """``save_pretrained`` both, with the weights in the Hub's LLaVA layout.
+
+    The vision tower's tensors are renamed ``vision_tower.*`` -> ``vision_tower.vision_model.*``
+    (values untouched), so transformers and vLLM 0.32 both load the folder as it is.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    path = out / "model.safetensors"
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+        tensors = {_hub_name(k): f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, path, metadata=metadata)
 
 
 def _write_model_card(

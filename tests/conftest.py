@@ -78,3 +78,18 @@ def family(request):
 def model(family):
     """A tiny config-built model of ``family``, random weights."""
     return tiny_model(family)
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The real vLLM's Python (``make vllm``). Without it the test is skipped, except in CI,
+    where the vLLM tests must run: ``.ci/run`` builds the venv first."""
+    from minirad.errors import PeerError
+    from minirad.vllm_env import vllm_python
+
+    try:
+        return vllm_python()
+    except PeerError as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))

