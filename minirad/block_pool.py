@@ -7,9 +7,16 @@ Follows ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``, ``KVCacheBloc
 The radix tree (``radix_cache.py``) shares at token granularity; this cache shares only whole
 blocks whose entire prefix is identical, which chapter 02 compares.
 
-Simplifications, on purpose: one KV-cache group (full attention), no null block (block ids
-start at 0), and a block whose hash is already registered by another block is not registered
-again (it is freed as an uncached block), so the hash table maps a hash to one block.
+Simplifications, on purpose: one KV-cache group (full attention) and no null block (block ids
+start at 0; vLLM's pool of ``N`` blocks holds ``N - 1`` usable ones).
+
+Like vLLM (``BlockHashToBlockMap``), the hash table does not de-duplicate: a block that becomes
+full with a hash another block already holds is registered too (a request that recomputes a
+block it could not hit, e.g. the last block of a fully cached prompt or an answer block of a
+repeated request, keeps its own block: block tables only grow). Each copy is evicted on its
+own, so a hash stays findable while any copy survives, and a copy costs a slot of the pool.
+The real vLLM's ``num_cached_tokens`` match this, evictions included
+(``tests/test_vllm_parity.py``); with one block per hash they did not.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ __all__ = [
     "KVCacheManager",
     "hash_block_tokens",
     "none_hash",
+    "serve_one_at_a_time",
 ]
 
 BlockHash = bytes  # a SHA-256 digest
@@ -148,7 +156,9 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """A fixed set of ``num_blocks`` blocks with reference counts and a hash -> block table.
+    """A fixed set of ``num_blocks`` blocks with reference counts and a hash table
+    (``cached_block_hash_to_block``: hash -> ``{block_id: block}``, every copy of that
+    hash in registration order; a lookup takes the oldest).
 
     Args:
         num_blocks: capacity in blocks.
@@ -166,7 +176,7 @@ class BlockPool:
         self.bus = bus if bus is not None else EventBus()
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
 
     def get_num_free_blocks(self) -> int:
         """Blocks with ``ref_cnt == 0`` (cached or not)."""
@@ -177,8 +187,9 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The block registered under ``block_hash``, or None. Changes nothing."""
-        return self.cached_block_hash_to_block.get(block_hash)
+        """The oldest block registered under ``block_hash``, or None. Changes nothing."""
+        copies = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(copies.values())) if copies else None
 
     def get_new_blocks(self, num_blocks: int, owner: str | None = None) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` blocks from the front of the free queue, each with ``ref_cnt=1``.
@@ -197,8 +208,11 @@ class BlockPool:
         self.bus.tick()
         blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
         evicted = [b for b in blocks if b.block_hash is not None]
-        for b in evicted:
-            del self.cached_block_hash_to_block[b.block_hash]
+        for b in evicted:  # only this copy: other blocks with the same hash stay findable
+            copies = self.cached_block_hash_to_block[b.block_hash]
+            del copies[b.block_id]
+            if not copies:
+                del self.cached_block_hash_to_block[b.block_hash]
             b.block_hash = None
         for b in blocks:
             b.ref_cnt = 1
@@ -275,17 +289,17 @@ class BlockPool:
         """Register each block under its hash (``blocks[i]`` <-> ``block_hashes[i]``).
 
         A block that already carries a hash (it came from a prefix hit) is left alone; a hash
-        already registered by another block is not registered twice.
+        that another block holds gets this block as one more copy (see the module docstring).
         """
         if not self.enable_caching:
             return
         self.bus.tick()
         stored = []
         for b, h in zip(blocks, block_hashes, strict=True):
-            if b.block_hash is not None or h in self.cached_block_hash_to_block:
+            if b.block_hash is not None:
                 continue
             b.block_hash = h
-            self.cached_block_hash_to_block[h] = b
+            self.cached_block_hash_to_block.setdefault(h, {})[b.block_id] = b
             stored.append(b)
         if self.bus.active and stored:
             self.bus.emit(
@@ -319,17 +333,15 @@ class BlockPool:
         if len({b.block_id for b in free}) != len(free):
             raise InvariantError("a block is in the free queue twice")
         free_ids = {b.block_id for b in free}
+        table = self.cached_block_hash_to_block
         for b in self.blocks:
             if (b.block_id in free_ids) != (b.ref_cnt == 0):
                 raise InvariantError(f"block {b.block_id}: ref_cnt {b.ref_cnt} vs free queue")
-            if (
-                b.block_hash is not None
-                and self.cached_block_hash_to_block.get(b.block_hash) is not b
-            ):
+            if b.block_hash is not None and table.get(b.block_hash, {}).get(b.block_id) is not b:
                 raise InvariantError(f"block {b.block_id}: hash not registered to it")
-        if sum(b.block_hash is not None for b in self.blocks) != len(
-            self.cached_block_hash_to_block
-        ):
+        if any(not copies for copies in table.values()):
+            raise InvariantError("hash table keeps a hash with no block")
+        if sum(b.block_hash is not None for b in self.blocks) != sum(map(len, table.values())):
             raise InvariantError("hash table has entries for blocks without a hash")
 
 
@@ -488,3 +500,36 @@ class KVCacheManager:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+def serve_one_at_a_time(
+    manager: KVCacheManager,
+    requests: Iterable[tuple[Sequence[int], Sequence[int], Sequence[MultiModalItem]]],
+) -> list[int]:
+    """Drive ``manager`` as vLLM's scheduler drives its ``KVCacheManager`` when requests come
+    one at a time, and return each request's cached prompt tokens (vLLM's
+    ``num_cached_tokens``).
+
+    For each ``(prompt ids, output ids, images)``: look the prompt up, allocate (and cache) its
+    blocks, then one token per decode step (the step that computes output token ``i`` caches
+    the blocks it filled; the last output token is sampled, never computed), then free the
+    request's blocks, tail first. Chapter 08 and ``tests/test_vllm_parity.py`` compare the
+    result with the real vLLM's, request for request.
+
+    Raises:
+        OutOfMemoryError: a request does not fit in the pool even when alone.
+    """
+    hits = []
+    for i, (prompt, output, mm_items) in enumerate(requests):
+        rid = f"one-at-a-time-{i}"
+        blocks, hit = manager.get_computed_blocks(prompt, mm_items)
+        if manager.allocate_slots(rid, prompt, len(prompt) - hit, blocks, mm_items) is None:
+            raise OutOfMemoryError(f"request {i} ({len(prompt)} prompt tokens) does not fit")
+        tokens = list(prompt)
+        for token in output[:-1]:
+            tokens.append(token)
+            if manager.allocate_slots(rid, tokens, 1, mm_items=mm_items) is None:
+                raise OutOfMemoryError(f"request {i} does not fit at {len(tokens)} tokens")
+        manager.free(rid)
+        hits.append(hit)
+    return hits

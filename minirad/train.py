@@ -695,7 +695,8 @@ print(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_toke
 {param_rows}
 | **total** | **{total:,}** |
 
-`model.safetensors`: {size:,} bytes ({size / 2**20:.2f} MiB), float32.
+`model.safetensors`: {size:,} bytes ({size / 2**20:.2f} MiB), float32, with the Hub's LLaVA
+tensor names (`vision_tower.vision_model.*`), so vLLM loads the folder as it is too.
 
 ## Training
 

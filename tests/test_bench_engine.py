@@ -2,7 +2,9 @@
 
 Small workloads; what is checked is not speed (never asserted) but that HF ``generate()`` on
 left-padded batches and our engine give the same greedy answers, that the radix cache saves
-prefill work on the shared workload, and that the report renders.
+prefill work on the shared workload, and that the report renders. With ``--peer vllm`` the
+real vLLM joins, on the shipped model (the ``vllm_python`` fixture: skipped without
+``make vllm``, except in CI); without its venv the command says how to build it.
 """
 
 import numpy as np
@@ -11,6 +13,7 @@ from PIL import Image
 from test_cli import TINY_CHAT_TEMPLATE
 from tiny_models import IMAGE_SIZE, tiny_llava, tiny_llava_processor
 
+from minirad import vllm_env
 from minirad.bench import main as bench_main
 from minirad.bench.engine import (
     format_report,
@@ -80,8 +83,9 @@ def test_report_renders(results):
     report = format_report(results)
     assert "workload shared: 2 images x 3 questions" in report
     assert "workload unique: 3 distinct images" in report
-    for row in ("output tokens/s", "TTFT mean, s", "prefill tokens", "encoder calls"):
-        assert sum(ln.startswith(row) for ln in report.splitlines()) == 2
+    rows = ("output tokens/s", "prompt+output tokens/s", "TTFT mean, s", "prefill tokens")
+    for row in (*rows, "prompt tokens", "encoder calls"):
+        assert sum(ln.startswith(row + "  ") for ln in report.splitlines()) == 2
     mismatch_rows = [ln for ln in report.splitlines() if ln.startswith("mismatches vs HF")]
     assert [ln.split()[-3:] for ln in mismatch_rows] == [["-", "0", "0"]] * 2
     assert "(1.00x)" in report  # the HF column against itself
@@ -106,3 +110,44 @@ def test_command_line_on_a_saved_model(llava, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_main(["engine", "--model", str(tmp_path / "nowhere")])
     assert e.value.code == 2
+
+
+def test_prompt_tokens_are_counted_without_padding(results):
+    for r in results:
+        none = r.minirad[1]
+        assert none.prefill_tokens == none.prompt_tokens  # no reuse: every prompt token
+        assert [len(p) for p in r.hf.prompt_token_ids] == [len(p) for p in none.prompt_token_ids]
+        assert r.hf.prompt_token_ids == none.prompt_token_ids
+        radix = r.minirad[0]
+        assert sum(radix.num_cached_tokens) == radix.cached_tokens
+
+
+def test_peer_vllm_without_its_venv_says_how_to_build_it(llava, tmp_path, capsys, monkeypatch):
+    model, processor = llava
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    monkeypatch.setattr(vllm_env, "VLLM_VENV", tmp_path / "no-venv")
+    with pytest.raises(SystemExit) as e:
+        bench_main(["engine", "--model", str(tmp_path), "--peer", "vllm"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "make vllm" in err and "Traceback" not in err
+
+
+def test_peer_vllm_end_to_end(vllm_python, capsys):
+    """The real vLLM as a third column, on the shipped model: same answers, threads shown."""
+    argv = ["engine", "--peer", "vllm", "--images", "1", "--questions", "3", "--unique", "2"]
+    assert bench_main(argv + ["--max-new-tokens", "8", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(ln for ln in lines if "HF generate" in ln)
+    assert header.split()[-2:] == ["vLLM", "0.32.0"]
+    mismatch_rows = [ln for ln in lines if ln.startswith("mismatches vs HF")]
+    assert [ln.split()[-4:] for ln in mismatch_rows] == [["-", "0", "0", "0"]] * 2
+    cached = next(ln for ln in lines if ln.startswith("cached tokens"))
+    assert int(cached.split()[-1]) > 0  # vLLM hit the shared system prompt and image
+    encoder = next(ln for ln in lines if ln.startswith("encoder calls"))
+    assert encoder.split()[-1] == "n/a"
+    assert sum(ln.startswith("against vLLM 0.32.0: minirad radix") for ln in lines) == 2
+    assert "VLLM::Worker" in out and "OMP_NUM_THREADS=" in out  # vLLM's thread binding
+    assert "HF and minirad (this process): torch 1 intra-op" in out

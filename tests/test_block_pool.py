@@ -33,7 +33,7 @@ def pool_state(mgr: KVCacheManager) -> tuple:
     return (
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
         queue_ids(pool),
-        {h: b.block_id for h, b in pool.cached_block_hash_to_block.items()},
+        {h: list(copies) for h, copies in pool.cached_block_hash_to_block.items()},
         {r: [b.block_id for b in bs] for r, bs in mgr.req_to_blocks.items()},
         dict(mgr.num_tokens),
         dict(mgr.num_cached_block),
@@ -150,18 +150,52 @@ def test_blocks_are_registered_when_they_become_full() -> None:
     mgr.block_pool.check_invariants()
 
 
-def test_concurrent_duplicates_are_not_registered_twice() -> None:
+def test_concurrent_duplicates_are_both_registered() -> None:
     mgr = KVCacheManager(8, 4)
     tokens = list(range(1, 9))
     # Both were looked up before either allocated (same scheduling step): no hits.
     mgr.allocate_slots("a", tokens, 8)
     mgr.allocate_slots("b", tokens, 8)
     a, b = mgr.req_to_blocks["a"], mgr.req_to_blocks["b"]
-    assert len(mgr.block_pool.cached_block_hash_to_block) == 2
-    assert all(x.block_hash is not None for x in a) and all(x.block_hash is None for x in b)
-    mgr.free("b")  # b's blocks are uncached: they go to the front, tail first
-    assert queue_ids(mgr.block_pool)[:2] == [b[1].block_id, b[0].block_id]
-    mgr.block_pool.check_invariants()
+    pool = mgr.block_pool
+    assert [x.block_hash for x in b] == [x.block_hash for x in a]
+    assert {h: list(c) for h, c in pool.cached_block_hash_to_block.items()} == {
+        x.block_hash: [x.block_id, y.block_id] for x, y in zip(a, b, strict=True)
+    }
+    assert pool.get_cached_block(a[1].block_hash) is a[1]  # the oldest copy
+    mgr.free("b")  # cached copies: to the back, tail first
+    assert queue_ids(pool)[-2:] == [b[1].block_id, b[0].block_id]
+    pool.check_invariants()
+
+
+def test_a_recomputed_block_is_a_copy_that_outlives_the_first() -> None:
+    """vLLM does not de-duplicate (``BlockHashToBlockMap``): the block a repeated prompt
+    recomputes (its last block, which it may not hit) is cached again, at the back of the
+    LRU queue. The hash then survives the eviction of the older copy, and the copy costs a
+    slot. The real vLLM's ``num_cached_tokens`` show both (tests/test_vllm_parity.py)."""
+    mgr = KVCacheManager(8, 4)
+    pool = mgr.block_pool
+    t, u = list(range(1, 9)), list(range(11, 19))  # two blocks each
+    for rid, tokens in (("t1", t), ("u", u)):
+        run(mgr, rid, tokens)
+        mgr.free(rid)
+    x0, x1 = (pool.get_cached_block(h) for h in mgr.block_hashes(t))
+    u0, u1 = (pool.get_cached_block(h) for h in mgr.block_hashes(u))
+    hits, n = run(mgr, "t2", t)  # hits x0 only (the last token is always computed)
+    assert hits == [x0] and n == 4
+    y1 = mgr.req_to_blocks["t2"][1]
+    assert y1 is not x1 and y1.block_hash == x1.block_hash
+    mgr.free("t2")
+    assert queue_ids(pool)[-4:] == [u1.block_id, u0.block_id, y1.block_id, x0.block_id]
+    # Memory pressure takes the 3 untouched blocks, x1, then u1: t's second block lives on
+    # in its copy, u's is gone.
+    h1, hu1 = x1.block_hash, u1.block_hash
+    hits, _ = run(mgr, "p", list(range(100, 120)))  # 20 tokens: 5 new blocks
+    assert not hits and {x1, u1} <= set(mgr.req_to_blocks["p"])
+    assert pool.get_cached_block(h1) is y1 and pool.get_cached_block(hu1) is None
+    assert mgr.get_computed_blocks(t + [9])[1] == 8
+    assert mgr.get_computed_blocks(u + [19])[1] == 4
+    pool.check_invariants()
 
 
 # ---------------------------------------------------------------------- free order, lazy eviction

@@ -10,6 +10,7 @@ imports ``viz``.
 - :mod:`viz.widget`: :class:`RadixView`, the anywidget player (JS/CSS in ``viz/static``).
 - :mod:`viz.export`: a standalone HTML replay.
 - :mod:`viz.sources`: builders for an engine, a cache, the Figure 3 scenario.
+- :mod:`viz.watch`: a real vLLM server's block cache, live from its KV events, or replayed.
 
 Example::
 
@@ -23,9 +24,11 @@ Example::
 from .frames import Frame, FrameBuilder, NodeView, frames_from_events, image_names
 from .layout import StableLayout
 from .svg import frame_svg
+from .watch import BlockCacheView, replay_recording, watch
 from .widget import RadixView, replay_scenario, run_engine
 
 __all__ = [
+    "BlockCacheView",
     "Frame",
     "FrameBuilder",
     "NodeView",
@@ -34,6 +37,8 @@ __all__ = [
     "frame_svg",
     "frames_from_events",
     "image_names",
+    "replay_recording",
     "replay_scenario",
     "run_engine",
+    "watch",
 ]

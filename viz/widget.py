@@ -47,7 +47,7 @@ from .frames import Frame, FrameBuilder, frame_labels, frames_from_events, frame
 from .sources import builder_for, engine_frames, engine_image_names, scenario_frames
 from .svg import frame_svg
 
-__all__ = ["RadixView", "image_thumbnails", "replay_scenario", "run_engine"]
+__all__ = ["RadixView", "image_thumbnails", "replay_scenario", "run_engine", "thumbnail"]
 
 
 class RadixView(anywidget.AnyWidget):
@@ -76,6 +76,9 @@ class RadixView(anywidget.AnyWidget):
     interval_ms = traitlets.Int(900).tag(sync=True)
     duration_ms = traitlets.Int(450).tag(sync=True)
     max_nodes = traitlets.Int(300).tag(sync=True)
+    # One line about a live source (shown above the player when not empty): where it listens,
+    # what went wrong (no server, a bad frame, a restart), so a learner never faces a frozen view.
+    status = traitlets.Unicode("").tag(sync=True)
 
     def __init__(
         self,
@@ -269,14 +272,19 @@ def image_thumbnails(engine, images: Iterable, size: int = 48) -> dict[str, str]
     """``{image name: PNG data URI}``: a picture of at most ``size`` x ``size`` px for each
     image (PIL image or path), under the name the frames give its span (its hash as the
     engine computes it, :func:`viz.frames.image_names`)."""
-    from minirad.engine.processing import load_image  # the engine needs transformers: lazy
-
     thumbs = {}
     for image in images:
         (name,) = engine_image_names(engine, [image]).values()
-        picture = load_image(image).convert("RGB")
-        picture.thumbnail((size, size), Image.Resampling.LANCZOS)
-        png = io.BytesIO()
-        picture.save(png, format="PNG", optimize=True)
-        thumbs[name] = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")
+        thumbs[name] = thumbnail(image, size)
     return thumbs
+
+
+def thumbnail(image, size: int = 48) -> str:
+    """A PNG data URI of ``image`` (PIL image or path), at most ``size`` x ``size`` px."""
+    from minirad.engine.processing import load_image  # the engine needs transformers: lazy
+
+    picture = load_image(image).convert("RGB")
+    picture.thumbnail((size, size), Image.Resampling.LANCZOS)
+    png = io.BytesIO()
+    picture.save(png, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")

@@ -3,9 +3,9 @@
 - ``radix``: replay a synthetic multi-turn chat trace through the radix cache and compare
   hit rates and throughput with no cache, every eviction policy and an infinite cache
   (:mod:`minirad.bench.radix`, trace in :mod:`minirad.bench.trace`).
-- ``engine``: the same VLM requests through Hugging Face ``generate()`` and through our engine
-  (throughput, time to first token, prefill tokens, encoder calls; answers must match)
-  (:mod:`minirad.bench.engine`).
+- ``engine``: the same VLM requests through Hugging Face ``generate()``, our engine and, with
+  ``--peer vllm``, the real vLLM (throughput, time to first token, prefill and cached tokens,
+  encoder calls; answers must match) (:mod:`minirad.bench.engine`, :mod:`minirad.bench.peer`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands.
@@ -23,7 +23,10 @@ __all__ = ["build_parser", "main"]
 
 _COMMANDS = {
     "radix": (radix, "radix-cache hit rate and throughput on a multi-turn chat trace"),
-    "engine": (engine, "our engine against HF generate() on shared and unique VLM requests"),
+    "engine": (
+        engine,
+        "our engine against HF generate() (and the real vLLM: --peer vllm) on VLM requests",
+    ),
 }
 
 

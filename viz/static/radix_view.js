@@ -171,6 +171,13 @@ function render({ model, el }) {
   fitBox.type = "checkbox";
   fitBox.checked = true;
   fit.append(" fit");
+  // A live source's state ("listening on ...", "server restarted: view cleared"), if any.
+  const statusDiv = htmlEl("div", "rv-status", root);
+  const showStatus = () => {
+    statusDiv.textContent = model.get("status") || "";
+    statusDiv.hidden = !statusDiv.textContent;
+  };
+  showStatus();
   const titleDiv = htmlEl("div", "rv-title", root);
   const captionDiv = htmlEl("div", "rv-caption", root);
   const eventsBox = htmlEl("details", "rv-events", root);
@@ -604,6 +611,7 @@ function render({ model, el }) {
   model.on("change:_images", reload);
   model.on("change:max_nodes", reload);
   model.on("msg:custom", onMessage);
+  model.on("change:status", showStatus);
 
   sizeTree(true);
   go(Math.min(model.get("step"), raw.length - 1));
@@ -617,6 +625,7 @@ function render({ model, el }) {
     model.off("change:_images", reload);
     model.off("change:max_nodes", reload);
     model.off("msg:custom", onMessage);
+    model.off("change:status", showStatus);
   };
 }
 

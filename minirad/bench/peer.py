@@ -1,0 +1,315 @@
+"""The real vLLM as a peer of our engine: one long-lived worker process in the vLLM venv.
+
+vLLM cannot be imported in the course venv (``minirad/vllm_env.py``), so :class:`VLLMPeer`
+starts ``minirad/bench/vllm_worker.py`` with the vLLM venv's Python once, waits until its
+offline ``vllm.LLM`` is up (about 40 s on two cores), and then sends it workloads over a pipe
+(length-prefixed msgpack frames; the protocol is in the worker's docstring). Timings are taken
+inside the worker, around ``LLM.generate``, so the pipe and the PNG encoding are not counted.
+
+Example::
+
+    with VLLMPeer(max_num_seqs=8) as vllm:
+        run = vllm.generate(workload, max_new_tokens=16)   # a bench.engine.RunResult
+        vllm.reset_prefix_cache()
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import select
+import signal
+import struct
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from ..errors import InvalidArgumentError, PeerError
+from ..models import DEFAULT_MODEL_DIR
+from ..vllm_env import VLLM_BLOCK_SIZE, vllm_python
+from .engine import RunResult, Workload
+
+__all__ = ["WORKER", "VLLMPeer", "describe_threads"]
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+_FRAME = struct.Struct(">I")
+_LOG_TAIL = 4000  # characters of the worker's log quoted in errors
+
+
+class VLLMPeer:
+    """A real vLLM (offline ``LLM``, block size 32, float32, eager, prefix caching) in a
+    worker process, started once and reused; a context manager that stops it on exit.
+
+    Args:
+        model: model folder (default: the shipped tiny LLaVA).
+        max_num_seqs: requests vLLM runs at once.
+        num_gpu_blocks_override: KV pool size in blocks; vLLM keeps block 0 as its null
+            block, so ``N`` gives ``N - 1`` usable blocks. None: what 1 GiB holds
+            (``VLLM_CPU_KVCACHE_SPACE=1``).
+        start_timeout: seconds to wait for the engine to come up.
+        timeout: seconds to wait for any other answer.
+        python: the vLLM venv's Python (default :func:`~minirad.vllm_env.vllm_python`).
+
+    Attributes:
+        info: what the worker reported when it came up (see :func:`describe_threads`).
+
+    Raises:
+        PeerError: the vLLM venv is missing (the message says how to build it), or the
+            worker died or did not answer in time (the message quotes its log's tail).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike = DEFAULT_MODEL_DIR,
+        *,
+        max_num_seqs: int = 8,
+        num_gpu_blocks_override: int | None = None,
+        start_timeout: float = 600.0,
+        timeout: float = 600.0,
+        python: str | os.PathLike | None = None,
+    ) -> None:
+        if num_gpu_blocks_override is not None and num_gpu_blocks_override < 2:
+            raise InvalidArgumentError("num_gpu_blocks_override must be >= 2 (one is vLLM's null)")
+        python = Path(python) if python is not None else vllm_python()
+        self.timeout = timeout
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder()
+        fd, self.log_path = tempfile.mkstemp(prefix="minirad-vllm-", suffix=".log")
+        os.close(fd)
+        cmd = [str(python), "-P", str(WORKER), "--model", str(model)]
+        cmd += ["--max-num-seqs", str(max_num_seqs), "--block-size", str(VLLM_BLOCK_SIZE)]
+        if num_gpu_blocks_override is not None:
+            cmd += ["--num-gpu-blocks-override", str(num_gpu_blocks_override)]
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM refuses to start without
+        # O_APPEND: the worker's writes land at the end even while the tail is being read.
+        try:
+            with open(self.log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=env,
+                    bufsize=0,
+                    start_new_session=True,  # its own group: close() stops vLLM's children
+                )
+        except OSError as e:
+            os.unlink(self.log_path)
+            raise PeerError(f"cannot start the vLLM worker with {python}: {e}") from e
+        try:
+            ready = self._receive(time.monotonic() + start_timeout, "start")
+            if not ready.get("ready"):
+                raise PeerError(f"the vLLM worker sent {ready!r} instead of its ready message")
+        except BaseException:
+            self.close()
+            raise
+        self.info: dict = ready["info"]
+
+    # ------------------------------------------------------------------ commands
+    def generate(
+        self, workload: Workload, max_new_tokens: int, ignore_eos: bool = False
+    ) -> RunResult:
+        """Run every request of ``workload`` greedy in one ``LLM.generate`` call.
+
+        Args:
+            workload: requests as ``(templated prompt, PIL images)`` (sent as PNG).
+            max_new_tokens: vLLM's ``max_tokens``.
+            ignore_eos: never stop on the end-of-sequence token (exactly
+                ``max_new_tokens`` tokens, as ``stop_token_ids=()`` in our engine).
+
+        Returns:
+            a :class:`~minirad.bench.engine.RunResult`: outputs through the stop token,
+            ``seconds`` of the call inside the worker, vLLM's per-request TTFT (empty lists
+            if it kept no metrics), ``num_cached_tokens`` per request, ``prefill_tokens`` =
+            prompt tokens minus cached ones, ``encoder_calls`` None (vLLM does not report
+            vision-tower runs).
+
+        Raises:
+            PeerError: the worker failed, died or timed out.
+        """
+        requests = [
+            {"prompt": text, "images": [_png(im) for im in images]}
+            for text, images in workload.requests
+        ]
+        reply = self._call(
+            {
+                "op": "generate",
+                "requests": requests,
+                "max_tokens": max_new_tokens,
+                "ignore_eos": ignore_eos,
+            }
+        )
+        outs = reply["outputs"]
+        if len(outs) != len(requests):
+            raise PeerError(f"vLLM answered {len(outs)} of {len(requests)} requests")
+        prompts = [o["prompt_token_ids"] for o in outs]
+        cached = [o["num_cached_tokens"] for o in outs]
+        timed = all(o["ttft"] is not None for o in outs)
+        return RunResult(
+            name=f"vLLM {self.info['vllm_version']}",
+            outputs=[o["token_ids"] for o in outs],
+            seconds=reply["seconds"],
+            ttft=[o["ttft"] for o in outs] if timed else [],
+            ttft_from_start=[o["ttft_from_start"] for o in outs] if timed else [],
+            prefill_tokens=sum(map(len, prompts)) - sum(cached),
+            encoder_calls=None,
+            cached_tokens=sum(cached),
+            prompt_token_ids=prompts,
+            num_cached_tokens=cached,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, preprocessed image and encoder output (the next run
+        starts as cold as a fresh engine). Returns False if vLLM refused (requests in flight).
+
+        Raises:
+            PeerError: the worker failed, died or timed out.
+        """
+        return bool(self._call({"op": "reset_prefix_cache"})["reset"])
+
+    def thread_settings(self) -> dict:
+        """The worker's info, read now (threads and CPU affinity change once vLLM's workers
+        bind theirs); see :func:`describe_threads`."""
+        self.info = self._call({"op": "info"})["info"]
+        return self.info
+
+    def close(self) -> None:
+        """Ask the worker to quit, then stop its whole process group if it lingers.
+        Idempotent."""
+        proc = self._proc
+        if proc.poll() is None:
+            try:
+                self._send({"op": "quit"})
+                self._receive(time.monotonic() + 30, "quit")
+                proc.wait(timeout=30)
+            except (PeerError, OSError, subprocess.TimeoutExpired):
+                pass
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            if not _group_alive(proc.pid):
+                break
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                if proc.poll() is None:
+                    try:
+                        proc.wait(timeout=0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                else:
+                    time.sleep(0.2)
+        if proc.poll() is None:
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+        if os.path.exists(self.log_path):
+            os.unlink(self.log_path)
+
+    def __enter__(self) -> VLLMPeer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def log_tail(self, chars: int = _LOG_TAIL) -> str:
+        """The end of the worker's log (vLLM's stdout and stderr)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    # ------------------------------------------------------------------ the pipe
+    def _call(self, message: dict) -> dict:
+        self._send(message)
+        reply = self._receive(time.monotonic() + self.timeout, message["op"])
+        if not reply.get("ok"):
+            raise PeerError(f"vLLM worker, {message['op']}: {reply.get('error', reply)!r}")
+        return reply
+
+    def _send(self, message: dict) -> None:
+        payload = self._encoder.encode(message)
+        try:
+            self._proc.stdin.write(_FRAME.pack(len(payload)) + payload)
+        except (BrokenPipeError, ValueError) as e:  # dead worker, or closed by close()
+            raise self._died() from e
+
+    def _receive(self, deadline: float, what: str) -> dict:
+        (size,) = _FRAME.unpack(self._read_exact(_FRAME.size, deadline, what))
+        try:
+            reply = self._decoder.decode(self._read_exact(size, deadline, what))
+        except msgspec.DecodeError as e:
+            raise PeerError(f"the vLLM worker sent an unreadable frame: {e}") from e
+        if not isinstance(reply, dict):
+            raise PeerError(f"the vLLM worker sent {type(reply).__name__}, not a map")
+        return reply
+
+    def _read_exact(self, n: int, deadline: float, what: str) -> bytes:
+        fd = self._proc.stdout.fileno()
+        buf = bytearray()
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(
+                    f"the vLLM worker did not answer {what!r} in time; its log ends:\n"
+                    + self.log_tail()
+                )
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if not ready:
+                if self._proc.poll() is not None:
+                    raise self._died()
+                continue
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                raise self._died()
+            buf += chunk
+        return bytes(buf)
+
+    def _died(self) -> PeerError:
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        return PeerError(f"the vLLM worker exited (code {code}); its log ends:\n{self.log_tail()}")
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")  # lossless: vLLM decodes the very pixels we feed our engine
+    return buf.getvalue()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of the group exists but is not ours to signal
+        return True
+    return True
+
+
+def describe_threads(info: dict) -> str:
+    """vLLM's pool, then one line per process of the worker (its front end first, then the
+    engine core and the model worker vLLM started): threads, the CPUs they may run on, and
+    the OpenMP / vLLM thread variables vLLM set in its environment (``info`` as in
+    :attr:`VLLMPeer.info`)."""
+    lines = [
+        f"{info['num_gpu_blocks']} blocks of {info['block_size']} tokens, max_num_seqs "
+        f"{info['max_num_seqs']}, VLLM_CPU_OMP_THREADS_BIND={info['omp_threads_bind']}; "
+        "its processes:"
+    ]
+    for i, p in enumerate(info["processes"]):
+        role = f", front end, torch {info['frontend_torch_threads']} threads" if i == 0 else ""
+        cpus = ", ".join(f"{n} on cpus {c}" for c, n in sorted(p["cpus"].items()))
+        env = "".join(f" {k}={v}" for k, v in sorted(p["env"].items()))
+        lines.append(f"  {p['name']} (pid {p['pid']}{role}): {p['threads']} threads, {cpus}{env}")
+    return "\n".join(lines)

@@ -1,0 +1,285 @@
+"""A long-lived real vLLM, run by the vLLM venv's Python and driven over a pipe.
+
+Run as ``.venv-vllm/bin/python -P minirad/bench/vllm_worker.py --model DIR [options]`` by
+:class:`minirad.bench.peer.VLLMPeer`, never imported: vLLM cannot live in the course venv
+(``minirad/vllm_env.py``), so this file imports only the standard library, PIL, msgspec and
+vLLM, none of minirad (``-P`` keeps this folder off ``sys.path``: its ``trace.py`` would
+shadow the standard library's).
+
+It builds one offline ``vllm.LLM`` on the model (block size 32, float32, ``max_model_len``
+512, eager, prefix caching on), then answers commands until ``quit`` or the end of its input.
+
+Protocol. vLLM logs to stdout and stderr, so the replies get a channel of their own: before
+vLLM is imported, the worker keeps its original stdout as the reply channel and points
+file descriptor 1 at stderr. Each message, both ways, is a frame: a 4-byte big-endian length,
+then that many bytes of msgpack. Commands arrive on stdin as maps with an ``op``:
+
+- ``{"op": "generate", "requests": [{"prompt": str, "images": [PNG bytes, ...]}, ...],
+  "max_tokens": int, "ignore_eos": bool}``: greedy, all requests in one ``LLM.generate``
+  call. Reply ``{"ok": true, "seconds": float, "outputs": [...]}`` where ``seconds`` is the
+  wall time of the ``generate`` call (PNG decoding excluded) and each output is
+  ``{"token_ids", "prompt_token_ids", "num_cached_tokens", "finish_reason", "ttft",
+  "ttft_from_start"}``. ``ttft``: vLLM's own ``RequestOutput.metrics.first_token_latency``,
+  seconds from the request's arrival (stamped as the front end starts preprocessing it, after
+  the requests before it were added) to the step that produced its first token, queueing
+  included; ``ttft_from_start``: from the start of the ``generate`` call. Both are None when
+  vLLM kept no metrics.
+- ``{"op": "reset_prefix_cache"}``: forget every cached block (``LLM.reset_prefix_cache``),
+  and the preprocessed images and the encoder outputs too, so that the next run starts cold.
+  Reply ``{"ok": true, "reset": bool}`` (False: vLLM refused, requests were in flight).
+- ``{"op": "info"}``: ``{"ok": true, "info": {...}}`` (see :func:`_info`). The worker sends
+  the same info unasked, as ``{"ok": true, "ready": true, "info": {...}}``, once the engine
+  is up.
+- ``{"op": "quit"}``: reply ``{"ok": true}``, shut vLLM down, exit 0.
+
+A command that fails is answered ``{"ok": false, "error": "..."}`` and the worker keeps
+serving; a frame it cannot decode ends it with exit code 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import struct
+import sys
+import time
+from collections import Counter
+
+FRAME = struct.Struct(">I")
+
+
+class _Channel:
+    """Length-prefixed msgpack frames: commands from ``rfile``, replies to the fd ``wfd``."""
+
+    def __init__(self, rfile, wfd: int) -> None:
+        import msgspec
+
+        self.rfile = rfile
+        self.wfd = wfd
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder()
+
+    def send(self, message: dict) -> None:
+        payload = self.encoder.encode(message)
+        data = memoryview(FRAME.pack(len(payload)) + payload)
+        while data:
+            data = data[os.write(self.wfd, data) :]
+
+    def receive(self) -> dict | None:
+        """The next command, or None at the end of the input."""
+        head = self.rfile.read(FRAME.size)
+        if len(head) < FRAME.size:
+            return None
+        (size,) = FRAME.unpack(head)
+        payload = self.rfile.read(size)
+        if len(payload) < size:
+            return None
+        return self.decoder.decode(payload)
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s child processes, their children, and so on (from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in sorted(children.get(todo.pop(), [])):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+_OMP_VARS = (
+    "OMP_NUM_THREADS",
+    "OMP_PLACES",
+    "OMP_PROC_BIND",
+    "GOMP_CPU_AFFINITY",
+    "KMP_AFFINITY",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+)
+
+
+def _process(pid: int) -> dict:
+    """One process: name, thread count, how many threads may run on which CPUs, and the
+    OpenMP / vLLM thread variables in its environment (what vLLM set for its workers)."""
+    with open(f"/proc/{pid}/comm") as f:
+        name = f.read().strip()
+    cpus: Counter[str] = Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        cpus[line.split(":", 1)[1].strip()] += 1
+        except OSError:
+            continue
+    env = {}
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                key, _, value = item.decode(errors="replace").partition("=")
+                if key in _OMP_VARS:
+                    env[key] = value
+    except OSError:
+        pass
+    return {"pid": pid, "name": name, "threads": sum(cpus.values()), "cpus": dict(cpus), "env": env}
+
+
+def _info(llm) -> dict:
+    """vLLM's version and pool, this process's torch threads, and every process of the
+    engine (this one, the engine core, its workers) as :func:`_process` sees it."""
+    import torch
+    import vllm
+    from vllm import envs
+
+    config = llm.llm_engine.vllm_config
+    processes = []
+    for pid in [os.getpid(), *_descendants(os.getpid())]:
+        try:
+            processes.append(_process(pid))
+        except OSError:
+            continue
+    return {
+        "vllm_version": vllm.__version__,
+        "block_size": config.cache_config.block_size,
+        "num_gpu_blocks": config.cache_config.num_gpu_blocks,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "frontend_torch_threads": torch.get_num_threads(),
+        "omp_threads_bind": envs.VLLM_CPU_OMP_THREADS_BIND,  # "auto" unless set
+        "processes": processes,
+    }
+
+
+def _generate(llm, command: dict) -> dict:
+    from PIL import Image
+    from vllm import SamplingParams
+
+    prompts = []
+    for request in command["requests"]:
+        prompt: dict = {"prompt": request["prompt"]}
+        images = [Image.open(io.BytesIO(data)) for data in request["images"]]
+        for image in images:
+            image.load()  # decode now, outside the timed call
+        if images:
+            prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+        prompts.append(prompt)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=int(command["max_tokens"]),
+        ignore_eos=bool(command.get("ignore_eos", False)),
+    )
+    wall0 = time.time()
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    outputs = []
+    for r in results:
+        metrics = r.metrics
+        ttft = from_start = None
+        if metrics is not None and metrics.first_token_latency:
+            ttft = metrics.first_token_latency
+            from_start = metrics.arrival_time + ttft - wall0
+        outputs.append(
+            {
+                "token_ids": list(r.outputs[0].token_ids),
+                "prompt_token_ids": list(r.prompt_token_ids),
+                "num_cached_tokens": r.num_cached_tokens or 0,
+                "finish_reason": r.outputs[0].finish_reason,
+                "ttft": ttft,
+                "ttft_from_start": from_start,
+            }
+        )
+    return {"ok": True, "seconds": seconds, "outputs": outputs}
+
+
+def _reset(llm) -> dict:
+    reset = llm.reset_prefix_cache()
+    llm.reset_mm_cache()  # preprocessed images (the front end's and the engine core's)
+    llm.llm_engine.reset_encoder_cache()  # the vision tower's outputs
+    return {"ok": True, "reset": bool(reset)}
+
+
+def main() -> int:
+    # The reply channel first, before anything can print: vLLM's logs go to stderr from now.
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    # vLLM forks its engine core: a forked child must not hold the reply pipe open, or the
+    # client would see no end of file when this process dies.
+    held = [reply_fd]
+
+    def drop_reply_fd() -> None:
+        if held[0] is not None:  # only once: a grandchild must not close a reused number
+            os.close(held[0])
+            held[0] = None
+
+    os.register_at_fork(after_in_child=drop_reply_fd)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model folder")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="requests in flight")
+    parser.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, help="KV pool in blocks (+1 null)"
+    )
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    # vLLM's CPU backend wants 0.92 of a NUMA node's memory for KV unless told (GiB).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    channel = _Channel(sys.stdin.buffer, reply_fd)
+    from vllm import LLM
+
+    llm = LLM(
+        model=args.model,
+        block_size=args.block_size,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        seed=args.seed,
+        disable_log_stats=False,  # keeps RequestOutput.metrics (the TTFT)
+    )
+    channel.send({"ok": True, "ready": True, "info": _info(llm)})
+    while True:
+        try:
+            command = channel.receive()
+        except Exception as e:  # a frame that is not msgpack: the pipe is out of step
+            print(f"vllm_worker: bad frame: {e!r}", file=sys.stderr)
+            return 3
+        if command is None:
+            return 0
+        op = command.get("op") if isinstance(command, dict) else None
+        if op == "quit":
+            channel.send({"ok": True})
+            llm.llm_engine.engine_core.shutdown()  # stops the engine core and its workers
+            return 0
+        try:
+            if op == "generate":
+                reply = _generate(llm, command)
+            elif op == "reset_prefix_cache":
+                reply = _reset(llm)
+            elif op == "info":
+                reply = {"ok": True, "info": _info(llm)}
+            else:
+                reply = {"ok": False, "error": f"unknown op {op!r}"}
+        except Exception as e:  # reported to the client; the engine may still serve
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        channel.send(reply)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Exercises of chapter 08 (the real engines: vLLM's hits, block hashes and KV events).
+
+The answers are computed here with the real ``minirad`` code on the chapter's recorded vLLM
+session (:func:`minirad.recordings.load`, committed in ``data/recordings/``): vLLM's design
+replayed by :class:`~minirad.block_pool.KVCacheManager` and
+:func:`~minirad.block_pool.serve_one_at_a_time` for q1 to q3, with each image keyed by its
+file name as the chapter keys it, and the :class:`~minirad.engine.LLMEngine` on the shipped
+model with a :class:`~minirad.block_events.RadixBlockEvents` publisher for q4 (the model is
+loaded on the first check that needs it). Every ``Qn_SOLUTION`` is runnable code that sets
+``answer``; the tests run it and check it with ``qn``, and compute the answers another way
+(vLLM's recorded hashes, plain prefix arithmetic).
+
+Usage in the notebook::
+
+    from minirad.exercises.ch08 import q1
+    answer = ...
+    q1.check(answer)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoConfig
+
+from .. import recordings
+from ..block_events import RadixBlockEvents
+from ..block_pool import KVCacheManager, serve_one_at_a_time
+from ..engine import GenerateRequest, LLMEngine, SamplingParams
+from ..kv_events import BlockStored
+from ..models import DEFAULT_MODEL_DIR, load_model
+from ..multimodal import MultiModalItem
+from ..vllm_env import VLLM_BLOCK_SIZE
+from . import Exercise
+
+__all__ = [
+    "Q1_BLOCK_SIZE",
+    "Q1_PROMPT_LEN",
+    "Q2_BLOCK_SIZE",
+    "Q3_BLOCK_SIZE",
+    "Q4_BLOCK_SIZE",
+    "Q4_OUTPUT_LEN",
+    "q1",
+    "q2",
+    "q3",
+    "q4",
+]
+
+# q1: a prompt of Q1_PROMPT_LEN tokens, all of them (and more) cached by an earlier request.
+Q1_PROMPT_LEN = 96
+Q1_BLOCK_SIZE = VLLM_BLOCK_SIZE
+# q2: the recorded session's six requests again, in a cache of 16-token blocks (vLLM's GPU
+# default).
+Q2_BLOCK_SIZE = 16
+# q3: block 0 of each recorded request, at the recording's block size.
+Q3_BLOCK_SIZE = VLLM_BLOCK_SIZE
+# q4: r1's prompt served alone by a fresh engine, exactly Q4_OUTPUT_LEN output tokens (98 + 62
+# = 160 = 5 blocks: only a count that leaves out the last output token gets it right).
+Q4_OUTPUT_LEN = 62
+Q4_BLOCK_SIZE = VLLM_BLOCK_SIZE
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_int_list(x: object) -> bool:
+    return isinstance(x, tuple | list) and all(_is_int(v) for v in x)
+
+
+@functools.cache
+def _session() -> recordings.Session:
+    return recordings.load()
+
+
+@functools.cache
+def _image_token_id() -> int:
+    return AutoConfig.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True).image_token_id
+
+
+def _block_request(
+    out: recordings.RecordedOutput, images: bool = True
+) -> tuple[Sequence[int], Sequence[int], list[MultiModalItem]]:
+    """``out.block_request`` (as the chapter keys images); with ``images=False`` the images
+    are left out of the hashes (a typical mistake)."""
+    prompt, output, items = out.block_request(_image_token_id())
+    return prompt, output, items if images else []
+
+
+@functools.cache
+def _session_hits(block_size: int, images: bool = True) -> tuple[int, ...]:
+    """Each recorded request's cached prompt tokens in vLLM's design at ``block_size``."""
+    requests = [_block_request(o, images) for o in _session().outputs]
+    return tuple(serve_one_at_a_time(KVCacheManager(1024, block_size), requests))
+
+
+# ----------------------------------------------------------------------------------------- q1
+@functools.cache
+def _q1_hit() -> int:
+    n, bs = Q1_PROMPT_LEN, Q1_BLOCK_SIZE
+    earlier = list(range(100, 100 + n + bs))  # the prompt, and one more block after it
+    manager = KVCacheManager(num_blocks=16, block_size=bs)
+    # One output token each: its prompt is all that an earlier request caches here.
+    return serve_one_at_a_time(manager, [(earlier, [2], []), (earlier[:n], [2], [])])[1]
+
+
+def _check_q1(answer: object) -> str | None:
+    if not _is_int(answer):
+        return f"give one int (tokens), not {answer!r}"
+    expected, n, bs = _q1_hit(), Q1_PROMPT_LEN, Q1_BLOCK_SIZE
+    if answer == expected:
+        return None
+    if answer == n // bs * bs:
+        return (
+            "the last prompt token always goes through the model (its logits give the first "
+            "output token): at most (len - 1) // block_size blocks hit, so a prompt of whole "
+            "blocks computes its whole last block again"
+        )
+    if answer == n - 1:
+        return "that is what the radix tree reuses; a block cache reuses whole blocks only"
+    if answer == expected // bs:
+        return "that counts blocks; cached_tokens counts tokens"
+    if answer == 0:
+        return f"the earlier request cached these {n} tokens: its blocks are still there to hit"
+    return f"{answer} tokens is not it; how many whole {bs}-token blocks fit in {n - 1} tokens?"
+
+
+Q1_SOLUTION = """\
+prompt_len, block_size = 96, 32
+# The last prompt token is computed whatever is cached: at most (96 - 1) // 32 = 2 blocks hit.
+answer = (prompt_len - 1) // block_size * block_size  # 64: the third block is computed again"""
+
+q1 = Exercise(
+    "q1 the hit of a fully cached prompt",
+    _check_q1,
+    "Only whole blocks hit, and at most (len(prompt) - 1) // block_size of them: r5 of the "
+    "recording (98 tokens, 96 cached) is one case of the rule.",
+    Q1_SOLUTION,
+)
+
+
+# ----------------------------------------------------------------------------------------- q2
+def _check_q2(answer: object) -> str | None:
+    expected = list(_session_hits(Q2_BLOCK_SIZE))
+    if not _is_int_list(answer) or len(answer) != len(expected):
+        return f"give {len(expected)} ints, one per request, e.g. (0, 0, 0, 0, 0, 0)"
+    got, bs = list(answer), Q2_BLOCK_SIZE
+    if got == expected:
+        return None
+    if got == [o.cached_tokens for o in _session().outputs]:
+        return (
+            f"those are vLLM's hits at {VLLM_BLOCK_SIZE} tokens per block; here a block holds {bs}"
+        )
+    if got == list(_session_hits(bs, images=False)):
+        return (
+            "the image is in the block hashes (extra_keys): A and B have the same placeholder "
+            "ids, not the same blocks"
+        )
+    if any(a % bs for a in got):
+        return f"a block cache reuses whole blocks only: every hit is a multiple of {bs}"
+    i = next(i for i, (a, e) in enumerate(zip(got, expected, strict=True)) if a != e)
+    image = _session().outputs[i].prompt_token_ids.index(_image_token_id())
+    if got[i] == 0 and image >= bs:
+        return (
+            f"r{i + 1}: its image starts at token {image}, so its first block holds text only: "
+            "did an earlier request compute the same text?"
+        )
+    return (
+        f"r{i + 1} is not {got[i]}: find where its prompt parts from what the earlier requests "
+        "computed (their prompts, their answers but the last token, each image by its "
+        f"pixels), then keep whole {bs}-token blocks"
+    )
+
+
+Q2_SOLUTION = """\
+from minirad import recordings
+from minirad.block_pool import KVCacheManager, serve_one_at_a_time
+
+session = recordings.load()
+requests = [out.block_request(3) for out in session.outputs]  # 3: the model's image_token_id
+answer = serve_one_at_a_time(KVCacheManager(num_blocks=1024, block_size=16), requests)
+# [0, 80, 16, 80, 96, 0]: r2 and r4 share 89 tokens with the request before them, 5 whole
+# blocks; r5 hits 6 blocks of its 98 tokens; and r3 now reuses block 0: tokens 0-15 hold only
+# the system turn (its image starts at token 24), which r1 computed."""
+
+q2 = Exercise(
+    "q2 hits with 16-token blocks",
+    _check_q2,
+    "Run the chapter's comparison again with KVCacheManager(num_blocks=1024, block_size=16). "
+    "By hand: a block hits when its tokens, its images and every block before it match.",
+    Q2_SOLUTION,
+)
+
+
+# ----------------------------------------------------------------------------------------- q3
+@functools.cache
+def _q3_expected() -> frozenset[int]:
+    """Requests (1-based) whose block 0 has r1's token ids but another hash."""
+    bs = Q3_BLOCK_SIZE
+    manager = KVCacheManager(num_blocks=1, block_size=bs)
+    blocks = []
+    for out in _session().outputs:
+        prompt, _, items = _block_request(out)
+        blocks.append((tuple(prompt[:bs]), manager.block_hashes(prompt[:bs], items)[0]))
+    first = blocks[0]
+    return frozenset(i for i, (ids, h) in enumerate(blocks, 1) if ids == first[0] and h != first[1])
+
+
+def _check_q3(answer: object) -> str | None:
+    n = len(_session().outputs)
+    if not isinstance(answer, set | frozenset | list | tuple) or not all(map(_is_int, answer)):
+        return "give a set of request numbers, e.g. {2, 5}"
+    got = set(answer)
+    if unknown := sorted(got - set(range(1, n + 1))):
+        return f"the requests are r1 to r{n}; there is no {unknown[0]}"
+    expected = _q3_expected()
+    if got == expected:
+        return None
+    outputs = _session().outputs
+    r1 = outputs[0]
+    bs = Q3_BLOCK_SIZE
+    for i in sorted(got - expected):
+        out = outputs[i - 1]
+        if i == 1:
+            return "r1's block 0 is the one the others are compared with"
+        if out.prompt_token_ids[:bs] != r1.prompt_token_ids[:bs]:
+            return f"r{i}: compare its first {bs} token ids with r1's"
+        return (
+            f"r{i} asks about r1's picture behind the same text: same tokens, same image, "
+            "same parent (none), so the same hash; a hash does not depend on the request"
+        )
+    missing = sorted(expected - got)[0]
+    if outputs[missing - 1].cached_tokens:
+        return (
+            f"r{missing} published no block 0 of its own: it hit {bs}-token blocks stored "
+            "before; which request stored them, and with which image?"
+        )
+    return f"r{missing}: its first {bs} token ids are r1's; which image does its block 0 hold?"
+
+
+Q3_SOLUTION = """\
+from minirad import recordings
+from minirad.block_pool import KVCacheManager
+
+session = recordings.load()
+manager = KVCacheManager(num_blocks=1, block_size=32)
+blocks = []
+for out in session.outputs:
+    prompt, _, items = out.block_request(3)  # 3: the model's image_token_id
+    block = prompt[:32]
+    blocks.append((block, manager.block_hashes(block, items)[0]))
+answer = {
+    i for i, (ids, h) in enumerate(blocks, 1) if ids == blocks[0][0] and h != blocks[0][1]
+}
+# {3, 4}: block 0 holds the system turn and the first 8 placeholders, the same 32 ids for
+# r1 to r5 (r6 has no system turn). Its hash covers the image: A for r1, r2 and r5 (one
+# block, stored by r1, hit by the others), B for r3 and r4 (stored by r3, hit by r4)."""
+
+q3 = Exercise(
+    "q3 same tokens, another hash",
+    _check_q3,
+    "A block's hash covers its parent's hash, its token ids and its images (extra_keys), "
+    "nothing else. Requests that hit block 0 published none: theirs is the one they hit.",
+    Q3_SOLUTION,
+)
+
+
+# ----------------------------------------------------------------------------------------- q4
+@functools.cache
+def _q4_published() -> tuple[int, int]:
+    """``(blocks, BlockStored events)`` our engine publishes for r1's prompt served alone."""
+    r1 = _session().outputs[0]
+    with torch.random.fork_rng(devices=[]):  # loading must not move the learner's RNG
+        model, processor = load_model(DEFAULT_MODEL_DIR)
+    engine = LLMEngine(model, processor)
+    publisher = RadixBlockEvents(engine.bus, block_size=Q4_BLOCK_SIZE)
+    params = SamplingParams(max_new_tokens=Q4_OUTPUT_LEN, stop_token_ids=())
+    engine.generate([GenerateRequest(list(r1.prompt_token_ids), [r1.request.image_path], params)])
+    publisher.close()
+    stored = [e for e in publisher.take_events() if isinstance(e, BlockStored)]
+    return sum(len(e.block_hashes) for e in stored), len(stored)
+
+
+def _check_q4(answer: object) -> str | None:
+    if not _is_int(answer):
+        return f"give one int (blocks), not {answer!r}"
+    blocks, events = _q4_published()
+    if answer == blocks:
+        return None
+    prompt_len, bs = len(_session().outputs[0].prompt_token_ids), Q4_BLOCK_SIZE
+    if answer == (prompt_len + Q4_OUTPUT_LEN) // bs:
+        return (
+            "the last output token is sampled, never fed back to the model: it has no K/V, "
+            "so the tree never caches it"
+        )
+    if answer == prompt_len // bs:
+        return (
+            "the answer's tokens enter the tree too, when the request finishes "
+            "(cache_finished_req): count the prompt and the output tokens that have K/V"
+        )
+    if answer == events:
+        return "that counts BlockStored events; count the blocks in them (len(block_hashes))"
+    if answer >= bs:
+        return "count blocks, not tokens"
+    return (
+        f"{answer} blocks is not it; how many tokens does the tree hold when the request "
+        f"ends, and how many whole {bs}-token blocks is that?"
+    )
+
+
+Q4_SOLUTION = """\
+from minirad import recordings
+from minirad.block_events import RadixBlockEvents
+from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
+from minirad.kv_events import BlockStored
+from minirad.models import DEFAULT_MODEL_DIR
+
+r1 = recordings.load().outputs[0]
+engine = LLMEngine.from_pretrained(DEFAULT_MODEL_DIR)
+publisher = RadixBlockEvents(engine.bus, block_size=32)  # no sink: it keeps the events
+params = SamplingParams(max_new_tokens=62, stop_token_ids=())
+engine.generate([GenerateRequest(list(r1.prompt_token_ids), [r1.request.image_path], params)])
+publisher.close()
+events = publisher.take_events()
+answer = sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))
+# 4: the tree holds 98 + 62 - 1 = 159 tokens (the last output token has no K/V), 4 whole
+# blocks: 3 published after the prefill, the fourth when the request finishes and the tree
+# takes in its answer (vLLM publishes a block in the step that fills it)."""
+
+q4 = Exercise(
+    "q4 blocks our engine publishes",
+    _check_q4,
+    "RadixBlockEvents publishes every whole 32-token block of the paths the radix tree "
+    "caches; the tree caches the prompt and the output tokens that have K/V.",
+    Q4_SOLUTION,
+)

@@ -1,0 +1,180 @@
+"""Chapter 08 exercises, held to the shared contract of ``exercise_contract.py``: the
+oracle's answer passes, near misses fail, typical mistakes get their reason, the stub is
+"not attempted", and the printed solution computes the answer.
+
+``minirad.exercises.ch08`` computes its answers with our ``KVCacheManager`` (vLLM's design)
+and our engine. The oracles use no minirad class: q1 and q4 are the block arithmetic of the
+chapter; q2 replays the recorded requests with prefix arithmetic (each placeholder marked
+with its image's pixels, a request reuses its longest common prefix with what an earlier
+request computed, at most all but its last prompt token, whole blocks only), which
+reproduces the real vLLM's recorded hits at 32 tokens per block; q3 reads vLLM's own block
+hashes off the recorded ``BlockStored`` events.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from exercise_contract import ExerciseContract, common_len
+from PIL import Image
+from transformers import AutoConfig
+
+from minirad import recordings
+from minirad.exercises import ch08
+from minirad.kv_events import BlockStored
+from minirad.models import DEFAULT_MODEL_DIR
+from minirad.vllm_env import VLLM_BLOCK_SIZE
+
+
+@functools.cache
+def image_token_id() -> int:
+    return AutoConfig.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True).image_token_id
+
+
+@functools.cache
+def session() -> recordings.Session:
+    return recordings.load()
+
+
+@functools.cache
+def pixels(path) -> bytes:
+    with Image.open(path) as image:
+        return image.convert("RGB").tobytes()
+
+
+def key(out: recordings.RecordedOutput, images: bool = True) -> list:
+    """The prompt's token ids, each placeholder replaced by (its image's pixels, its index)."""
+    if not images:
+        return list(out.prompt_token_ids)
+    image, placeholder = pixels(out.request.image_path), image_token_id()
+    return [(image, i) if t == placeholder else t for i, t in enumerate(out.prompt_token_ids)]
+
+
+def prefix_hits(block_size: int, images: bool = True, whole_blocks: bool = True) -> list[int]:
+    """Each recorded request's reused prompt tokens, by prefix arithmetic (no eviction)."""
+    computed: list[list] = []  # per earlier request: its prompt and all but its last output
+    hits = []
+    for out in session().outputs:
+        prompt = key(out, images)
+        shared = max((common_len(prompt, c) for c in computed), default=0)
+        shared = min(shared, len(prompt) - 1)
+        hits.append(shared // block_size * block_size if whole_blocks else shared)
+        computed.append(prompt + list(out.token_ids[:-1]))
+    return hits
+
+
+def oracle_q1() -> int:
+    return (ch08.Q1_PROMPT_LEN - 1) // ch08.Q1_BLOCK_SIZE * ch08.Q1_BLOCK_SIZE
+
+
+def oracle_q2() -> list[int]:
+    return prefix_hits(ch08.Q2_BLOCK_SIZE)
+
+
+def vllm_block0_hashes() -> list[int]:
+    """vLLM's hash of each recorded request's block 0: the first block of a stored chain
+    (no parent) with the request's first token ids and its image's hash in ``extra_keys``."""
+    outputs = session().outputs
+    bs = ch08.Q3_BLOCK_SIZE
+    mm_hash = {o.request.image: o.mm_hash for o in outputs if o.mm_hash}
+    first = [
+        e
+        for _, batch in session().batches
+        for e in batch.events
+        if isinstance(e, BlockStored) and e.parent_block_hash is None
+    ]
+    hashes = []
+    for out in outputs:
+        (block,) = [
+            e
+            for e in first
+            if tuple(e.token_ids[:bs]) == out.prompt_token_ids[:bs]
+            and mm_hash[out.request.image] in {k[0] for k in e.extra_keys[0] or ()}
+        ]
+        hashes.append(block.block_hashes[0])
+    return hashes
+
+
+def oracle_q3() -> set[int]:
+    outputs, hashes, bs = session().outputs, vllm_block0_hashes(), ch08.Q3_BLOCK_SIZE
+    r1 = outputs[0].prompt_token_ids[:bs]
+    return {
+        i
+        for i, (out, h) in enumerate(zip(outputs, hashes, strict=True), 1)
+        if out.prompt_token_ids[:bs] == r1 and h != hashes[0]
+    }
+
+
+def oracle_q4() -> int:
+    prompt_len = len(session().outputs[0].prompt_token_ids)
+    # The last output token is sampled, never fed back: the tree holds all tokens but it.
+    return (prompt_len + ch08.Q4_OUTPUT_LEN - 1) // ch08.Q4_BLOCK_SIZE
+
+
+CASES = [
+    (ch08.q1, oracle_q1, ch08.Q1_SOLUTION),
+    (ch08.q2, oracle_q2, ch08.Q2_SOLUTION),
+    (ch08.q3, oracle_q3, ch08.Q3_SOLUTION),
+    (ch08.q4, oracle_q4, ch08.Q4_SOLUTION),
+]
+
+
+def _q2_with(i: int, value: int) -> list[int]:
+    hits = oracle_q2()
+    hits[i] = value
+    return hits
+
+
+@functools.cache
+def diagnosed() -> list:
+    """Typical mistakes, and a word of the reason the learner must see (computed at test
+    time: they read the recording)."""
+    n, bs = ch08.Q1_PROMPT_LEN, ch08.Q1_BLOCK_SIZE
+    prompt_len = len(session().outputs[0].prompt_token_ids)
+    return [
+        (ch08.q1, n // bs * bs, "last prompt token"),
+        (ch08.q1, n - 1, "radix tree"),
+        (ch08.q1, oracle_q1() // bs, "counts blocks"),
+        (ch08.q1, 0, "still there"),
+        (ch08.q2, [o.cached_tokens for o in session().outputs], "32 tokens per block"),
+        (ch08.q2, prefix_hits(ch08.Q2_BLOCK_SIZE, images=False), "extra_keys"),
+        (ch08.q2, prefix_hits(ch08.Q2_BLOCK_SIZE, whole_blocks=False), "whole blocks only"),
+        (ch08.q2, _q2_with(2, 0), "text only"),
+        (ch08.q2, _q2_with(1, 96), "where its prompt parts"),
+        (ch08.q2, (0, 0, 0), "give 6 ints"),
+        (ch08.q3, {3}, "published no block 0"),
+        (ch08.q3, {4}, "which image"),
+        (ch08.q3, {3, 4, 6}, "first 32 token ids"),
+        (ch08.q3, {2, 3, 4, 5}, "does not depend on the request"),
+        (ch08.q3, {1, 3, 4}, "compared with"),
+        (ch08.q3, {3, 7}, "no 7"),
+        (ch08.q3, 3, "give a set"),
+        (ch08.q4, (prompt_len + ch08.Q4_OUTPUT_LEN) // ch08.Q4_BLOCK_SIZE, "never fed back"),
+        (ch08.q4, prompt_len // ch08.Q4_BLOCK_SIZE, "cache_finished_req"),
+        (ch08.q4, 2, "BlockStored events"),  # one after the prefill, one as the request ends
+        (ch08.q4, prompt_len + ch08.Q4_OUTPUT_LEN - 1, "not tokens"),
+    ]
+
+
+class TestExerciseContract(ExerciseContract):
+    chapter = ch08
+    cases = CASES
+    diagnosed = diagnosed
+
+
+def test_q2_oracle_reproduces_the_recorded_vllm_hits():
+    """The prefix arithmetic of q2's oracle, at vLLM's block size, gives what the real vLLM
+    reported for each request of the recording."""
+    assert prefix_hits(VLLM_BLOCK_SIZE) == [o.cached_tokens for o in session().outputs]
+
+
+def test_q3_oracle_sees_two_block0_hashes_for_the_same_tokens():
+    """r1 to r5 start with the same 32 token ids; vLLM gave their block 0 two hashes (one
+    per picture), r6's block 0 a third."""
+    hashes = vllm_block0_hashes()
+    assert len(set(hashes[:5])) == 2 and hashes[5] not in hashes[:5]
+
+
+def test_lists_are_accepted_for_tuples_and_sets():
+    assert ch08.q2.is_correct(tuple(oracle_q2()))
+    assert ch08.q3.is_correct(sorted(oracle_q3()))
