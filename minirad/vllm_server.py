@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidArgumentError, PeerError
-from .vllm_env import REPO_ROOT, VLLM_BLOCK_SIZE, vllm_python
+from .vllm_env import REPO_ROOT, VLLM_BLOCK_SIZE, die_with_parent, vllm_python
 
 __all__ = ["DEFAULT_MODEL_DIR", "VLLMServer"]
 
@@ -235,6 +235,7 @@ class VLLMServer:
                 env=self._env(),
                 cwd=self._logdir,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         # A server left running (no stop(), a notebook closed) still goes when Python exits.
         self._finalizer = weakref.finalize(self, _stop_group, self._proc, 5.0)

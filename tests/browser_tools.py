@@ -7,8 +7,12 @@ the widget's DOM.
   autosave (running a chapter must not rewrite it), news checks, and the notebook's windowed
   rendering (every output stays in the DOM).
 - :func:`run_all_cells`: open a notebook and run it with Run > Run All Cells.
+- :func:`write_notebook`, :func:`cell_view`: a notebook written by a test, and the player a
+  cell displayed.
 - :func:`record`, :func:`play`: follow one player while it plays; each step's nodes, edges,
   pool cells and the animations it started.
+- :func:`player_view`, :func:`wait_for_view`: what a live player shows now (status line,
+  nodes, image chips), and a wait until it shows what a test expects.
 - :func:`screenshot_image_fork`: the README picture, the widget mid-animation at an image
   fork; ``python tests/browser_tools.py docs/visualizer.png`` (``make screenshot``).
 """
@@ -26,7 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,6 +192,26 @@ def run_all_cells(page, lab: Lab, notebook: str, root: Path = ROOT, timeout: flo
     return n
 
 
+def write_notebook(path: Path, sources: Sequence[str]) -> Path:
+    """Write a notebook of code cells ``sources`` (no outputs, the default Python kernel) for
+    :func:`run_all_cells`. Returns ``path``."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = kernel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def cell_view(page, cell: int):
+    """A locator of the ``.radix-view`` that code cell ``cell`` (from 0) displayed."""
+    code_cells = page.locator(".jp-Notebook .jp-CodeCell")
+    return code_cells.nth(cell).locator(".jp-OutputArea-output .radix-view")
+
+
 # ---------------------------------------------------------------------- one player
 # Installed on a .radix-view element: logs what the player shows each time its counter
 # changes (one entry per drawn frame), and the animations that this step started.
@@ -281,6 +305,50 @@ def step_through(view, steps: int) -> None:
             return
         view.locator(".rv-fwd").click()
         view.evaluate(_ANIMATIONS_END)
+
+
+# What a player shows now: its status line, counter, title, and each node drawn with its
+# classes, the text of its image chips and its hover text (the whole edge).
+_PLAYER_VIEW = """
+(root) => ({
+  status: root.querySelector(".rv-status").textContent,
+  counter: root.querySelector(".rv-counter").textContent,
+  title: root.querySelector(".rv-title").textContent,
+  nodes: [...root.querySelectorAll(".rv-node")].map((g) => ({
+    id: Number(g.dataset.id),
+    classes: g.getAttribute("class").split(" "),
+    chips: [...g.querySelectorAll("tspan.rv-chip")].map((t) => t.textContent),
+    hover: g.querySelector("title")?.textContent ?? "",
+  })),
+})
+"""
+
+
+def player_view(view) -> dict:
+    """``{"status", "counter", "title", "nodes": [{"id", "classes", "chips", "hover"}]}``:
+    what the ``.radix-view`` locator ``view`` shows now. ``chips``: the image chips' texts as
+    drawn, such as ``"img 3fa2c1 x29"`` (cut with "…" where the box is full); ``hover``: the
+    node's tooltip, its whole edge (images as ``[img 3fa2c1 x29]``)."""
+    return view.evaluate(_PLAYER_VIEW)
+
+
+def wait_for_view(
+    view, condition: Callable[[dict], bool], what: str, timeout: float = 30.0
+) -> dict:
+    """Poll :func:`player_view` until ``condition`` holds; returns that view.
+
+    Raises:
+        AssertionError: not within ``timeout`` seconds; the message says ``what`` was awaited
+            and what the player showed last.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = player_view(view)
+        if condition(shown):
+            return shown
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}; the player shows {shown}")
+        view.page.wait_for_timeout(100)
 
 
 def box_styles(view) -> list[dict]:

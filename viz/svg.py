@@ -184,7 +184,8 @@ def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110
     rows = 1 + max(n.depth for n in frame.nodes)
     pool_top = top + rows * ROW_H
     pool_rows = -(-frame.pool.num_cells // CELLS_PER_ROW)
-    legend_y = pool_top + 18 + pool_rows * CELL_PITCH + 10
+    # A source without a pool (a vLLM server's KV events carry no slots) draws none.
+    legend_y = pool_top + (18 + pool_rows * CELL_PITCH + 10 if frame.pool.num_cells else 0)
     width = max(MARGIN * 2 + cols * COL_W, MARGIN * 2 + CELLS_PER_ROW * CELL_PITCH, 640)
     height = legend_y + 10 + MARGIN
     out = [
@@ -224,7 +225,8 @@ def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110
             )
     for n in frame.nodes:
         out += _node(n, top)
-    out += _pool(frame, pool_top)
+    if frame.pool.num_cells:
+        out += _pool(frame, pool_top)
     out += _legend(legend_y)
     out.append("</svg>")
     return "\n".join(out)

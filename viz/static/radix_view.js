@@ -416,6 +416,11 @@ function render({ model, el }) {
   // One cell per page; a pool of more than MAX_POOL_CELLS pages is drawn with one cell per
   // `group` pages, coloured by the first page in it that is in use.
   function drawPool(f) {
+    // A source without a pool (a vLLM server's KV events carry no slots): no pool panel.
+    const hasPool = f.pool.cells > 0;
+    pool.style.display = hasPool ? "" : "none";
+    poolHead.hidden = !hasPool;
+    if (!hasPool) return;
     const owners = [];
     for (const [, n, owner] of f.pool.runs) for (let i = 0; i < n; i++) owners.push(owner);
     poolOwners = owners;
