@@ -458,8 +458,15 @@ class KVEventSubscriber:
                 self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         except zmq.ZMQError as e:
             self._sub.close()
-            raise InvalidArgumentError(f"bad ZMQ endpoint {endpoint!r}: {e}") from e
+            bad = [e for e in (endpoint, replay_endpoint) if e is not None]
+            hint = (
+                " (a server's '*' means every interface: connect to tcp://127.0.0.1:PORT)"
+                if any("*" in e for e in bad)
+                else " (write it as tcp://HOST:PORT)"
+            )
+            raise InvalidArgumentError(f"bad ZMQ endpoint in {bad}: {e}{hint}") from e
         self._next = 0  # the next seq to deliver
+        self._restarted = False  # seq went back at least once (then seq 0 was not "before us")
         self._last: tuple[int, int] | None = None  # (seq, digest) of the last batch delivered
         self._pending: dict[int, _Held] = {}
         self._ahead: dict[int, int] = {}  # replayed seq -> digest, until its live copy comes
@@ -603,6 +610,7 @@ class KVEventSubscriber:
         """A new server process: say so, and start again from its seq 0."""
         self._notice("restart", message, seq)
         self._next = 0
+        self._restarted = True
         self._last = None
         self._ahead.clear()
         held_since, self._held_since = self._held_since, None
@@ -647,7 +655,8 @@ class KVEventSubscriber:
         if seq == self._next and self._held_since is None:
             self._deliver(seq, batch, digest)
         elif self.replay_endpoint is None:
-            why = "sent before this subscriber connected" if self._next == 0 else "dropped"
+            joined = self._next == 0 and not self._restarted
+            why = "sent before this subscriber connected" if joined else "dropped"
             self._lost(seq, f"{why}, and there is no replay endpoint to ask for them")
             self._deliver(seq, batch, digest)
         else:
@@ -1039,11 +1048,15 @@ def load_recording(path: str | os.PathLike) -> list[tuple[int, KVEventBatch]]:
     """Read a file written by :func:`save_recording`.
 
     Raises:
-        KVEventError: a line that is not a recorded batch (the message gives its number).
-        FileNotFoundError: no such file.
+        KVEventError: no readable text file there, or a line that is not a recorded batch
+            (the message gives its number).
     """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KVEventError(f"cannot read a KV-event recording at {path}: {e}") from e
     out = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .engine import GenerateRequest, SamplingParams
+from .errors import MiniradError, PeerError
 from .kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -153,10 +154,18 @@ class Session:
 
 def _drain(subscriber: KVEventSubscriber, quiet_s: float) -> list[tuple[int, KVEventBatch]]:
     """Batches until nothing arrives for ``quiet_s`` seconds (a request's events are published
-    by the engine step that computes its blocks, before or just after the HTTP reply)."""
+    by the engine step that computes its blocks, before or just after the HTTP reply).
+
+    Raises:
+        PeerError: batches were lost or the server restarted: the recording would be wrong.
+    """
     out = []
     while items := subscriber.recv(timeout_s=quiet_s):
-        out.extend(item for item in items if not isinstance(item, Notice))
+        for item in items:
+            if not isinstance(item, Notice):
+                out.append(item)
+            elif item.kind in ("lost", "restart", "bad_frame"):
+                raise PeerError(f"recording abandoned: {item.message}")
     return out
 
 
@@ -270,8 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RECORDINGS_DIR, help="where to write")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
-    with VLLMServer() as server:
-        session = record(server)
+    try:
+        with VLLMServer() as server:
+            session = record(server)
+    except MiniradError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     save(session, args.out)
     for o in session.outputs:
         print(

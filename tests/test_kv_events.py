@@ -388,6 +388,29 @@ def test_slow_joiner_without_replay_is_reported_lost():
     )
 
 
+def test_a_restart_without_replay_is_not_blamed_on_joining_late():
+    """After a restart, a missed seq 0 was dropped, not "sent before this subscriber
+    connected": it has been connected all along."""
+    pub = KVEventPublisher(ANY_PORT)
+    sub = KVEventSubscriber(pub.endpoint, **FAST)
+    try:
+        collect(sub, lambda items: len(seqs(items)) >= 30, act=lambda: pub.publish([stored(1)]))
+        endpoint = pub.endpoint
+        pub.close()
+        pub = KVEventPublisher(endpoint.replace("127.0.0.1", "*"))  # a new process: seq from 0
+        pub.publish([stored(3)], live=False)  # its seq 0 never reaches the subscriber
+        items = collect(
+            sub,
+            lambda items: notices(items, "restart") and notices(items, "lost"),
+            act=lambda: pub.publish([stored(4)]),
+        )
+    finally:
+        sub.close()
+        pub.close()
+    (lost,) = notices(items, "lost")
+    assert lost.seq == 0 and "before this subscriber connected" not in lost.message
+
+
 def test_what_replay_no_longer_holds_is_reported():
     with KVEventPublisher(ANY_PORT, ANY_PORT, buffer_size=3) as pub:
         for i in range(10):

@@ -150,3 +150,15 @@ def test_our_engine_in_process_follows_the_same_viewer():
     publisher.flush()
     assert live_nodes(follower) == 3 + 1
     assert [seq for seq, _ in follower.batches] == list(range(len(follower.batches)))
+
+
+def test_an_unreadable_recording_is_a_kv_event_error(tmp_path):
+    import pytest
+
+    from minirad.errors import KVEventError
+
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    for path in (tmp_path / "missing.jsonl", binary, tmp_path):
+        with pytest.raises(KVEventError, match="recording"):
+            viz.replay_recording(path)

@@ -24,5 +24,6 @@ site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 printf '# Emptied by minirad tools/make_vllm_venv.sh: the CUDA-built C ops of this wheel cannot\n# load with the CPU torch, so there are no ops to register fake kernels for.\n' \
     > "$site/torchvision/_meta_registrations.py"
 # The check that matters: vLLM's LLaVA (and with it torchvision's transforms) imports.
-"$VENV/bin/python" -c 'import vllm.model_executor.models.llava' 2>/dev/null
+"$VENV/bin/python" -c 'import vllm.model_executor.models.llava' ||
+    { echo "make vllm: vLLM's LLaVA does not import in $VENV (see the error above)" >&2; exit 1; }
 "$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__, "ready in '"$VENV"'")'
