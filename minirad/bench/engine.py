@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import transformers
 from PIL import Image
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -557,6 +558,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise InvalidArgumentError(f"model folder {args.model!r} not found")
     torch.set_num_threads(args.threads)
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars would mix with the report
     with contextlib.ExitStack() as stack:
         peer = None
         if args.peer == "vllm":
