@@ -29,9 +29,14 @@ def stored(hashes, parent=None, first_token=10):
     return BlockStored(list(hashes), parent, list(range(first_token, first_token + n)), 32)
 
 
-def wait_for(condition, what: str) -> None:
+def wait_for(condition, what: str, act=None) -> None:
+    """Poll ``condition`` (calling ``act()`` before each try) until it holds or WAIT_S pass."""
     deadline = time.monotonic() + WAIT_S
-    while not condition():
+    while True:
+        if act is not None:
+            act()
+        if condition():
+            return
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
 
@@ -106,21 +111,19 @@ def test_garbage_frames_are_reported_and_skipped():
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     view = viz.watch(f"tcp://127.0.0.1:{port}")
     try:
+        garbage = [b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"]
         good = encode_batch(1, KVEventBatch(ts=0.0, events=[stored([1])]))
-
-        def send_until(condition, frames, what):
-            deadline = time.monotonic() + WAIT_S
-            while not condition():  # PUB drops what is sent before the SUB has joined
-                assert time.monotonic() < deadline, f"timed out waiting for {what}"
-                sock.send_multipart(frames)
-                time.sleep(0.05)
-
-        send_until(
+        # Sent again and again: a PUB drops what it sends before the SUB has joined.
+        wait_for(
             lambda: "seq 0" in view.status or "skipped" in view.status,
-            [b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"],
             "the bad-frame notice",
+            act=lambda: sock.send_multipart(garbage),
         )
-        send_until(lambda: live_nodes(view) == 1, good, "the next good batch")
+        wait_for(
+            lambda: live_nodes(view) == 1,
+            "the next good batch",
+            act=lambda: sock.send_multipart(good),
+        )
     finally:
         view.stop()
         sock.close(linger=0)
