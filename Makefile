@@ -32,8 +32,14 @@ $(VLLM_VENV)/.installed: tools/make_vllm_venv.sh
 dot:
 	tools/ensure_dot.sh
 
+# Trusting the chapters (a signature in the user's Jupyter data folder; the files are left
+# alone) lets JupyterLab show their committed pictures and players before anything runs:
+# untrusted notebooks show no SVG and no widget. The server config saves a chapter whose cells
+# are unedited as the committed file, so running the course leaves `git status` clean.
 lab: dot venv
-	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(BIN)/jupyter trust $(NOTEBOOKS)
+	$(BIN)/jupyter lab --config=tools/jupyter_server_config.py notebooks/ \
+	  $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # One pytest run: with --nbval the .py tests are collected as usual and each notebook is
 # executed and compared. Exit code 5 ("no tests collected") is not a failure.
@@ -42,12 +48,15 @@ test: dot venv
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Re-execute every notebook in place (then commit the outputs that `make test` compares).
+# The widgets' state is stored in the file (anywidget's state carries its JavaScript), so a
+# player draws in JupyterLab before its chapter runs; nbval compares outputs, not metadata.
 notebooks: dot venv
 ifneq ($(NOTEBOOKS),)
 	$(DETERMINISTIC_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-	  --ExecutePreprocessor.store_widget_state=False \
+	  --ExecutePreprocessor.store_widget_state=True \
 	  --ExecutePreprocessor.record_timing=False $(NOTEBOOKS)
 endif
 

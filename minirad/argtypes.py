@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int"]
+__all__ = ["positive_int", "prompt_text"]
 
 
 def positive_int(text: str) -> int:
@@ -20,3 +20,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def prompt_text(text: str) -> str:
+    """``argparse`` type: a prompt holding a non-space character (the rule ``minirad batch``
+    applies to a JSONL ``prompt`` too).
+
+    Raises:
+        argparse.ArgumentTypeError: empty or only whitespace.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must hold a non-space character, got {text!r}")
+    return text

@@ -30,6 +30,7 @@ Example (the two directions joined, no socket)::
 from __future__ import annotations
 
 import hashlib
+import itertools
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from typing import Any
 
 from .block_pool import hash_block_tokens, none_hash
 from .errors import InvalidArgumentError, KVEventError
+from .event_tree import EventTree
 from .events import (
     Event,
     EventBus,
@@ -47,8 +49,7 @@ from .events import (
     StepEvent,
 )
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from .multimodal import block_extra_keys, pad_value
-from .scenario import EventTree
+from .multimodal import MultiModalItem, block_extra_keys, pad_value
 from .vllm_env import VLLM_BLOCK_SIZE
 
 __all__ = ["MASK_64", "BlockHashTree", "RadixBlockEvents", "block_hash_u64"]
@@ -56,6 +57,11 @@ __all__ = ["MASK_64", "BlockHashTree", "RadixBlockEvents", "block_hash_u64"]
 MASK_64 = (1 << 64) - 1  # vLLM's int block hashes are the low 64 bits of the digest
 RESET_SOURCE = "radix_cache"  # the ResetEvent source that clears a FrameBuilder's tree
 _HEX_DIGITS = frozenset(string.hexdigits)
+
+
+def _pad_hash(pad: int, vocab_size: int) -> str:
+    """The image hash a pad id holds (:func:`~minirad.multimodal.pad_value`, inverted)."""
+    return f"{pad - vocab_size:064x}"
 
 
 def block_hash_u64(digest: bytes) -> int:
@@ -86,7 +92,7 @@ class _Block:
 
 class BlockHashTree:
     """vLLM's block-level prefix cache rebuilt from its KV events, re-published on ``bus`` as
-    minirad tree events for ``viz.frames.FrameBuilder``.
+    minirad tree events for ``viz.frame_builder.FrameBuilder``.
 
     What is drawn, and why (from how ``vllm/v1/core/block_pool.py`` emits events):
 
@@ -308,7 +314,7 @@ class BlockHashTree:
 
     def _image_pad(self, ident: str) -> int:
         digest = ident
-        if not ident or not set(ident[:16]) <= _HEX_DIGITS:  # a user-given uuid, not a hash
+        if not ident or not set(ident) <= _HEX_DIGITS:  # a user-given uuid, not a hash
             digest = hashlib.sha256(ident.encode()).hexdigest()
         pad = pad_value(digest, self.vocab_size)
         self.images.setdefault(pad, f"img {ident[:6]}")
@@ -391,7 +397,7 @@ class RadixBlockEvents:
     ``EngineConfig(kv_events_endpoint=...)``.
 
     Subscribes to ``bus`` and rebuilds the tree from its events
-    (:class:`~minirad.scenario.EventTree`). Every root-to-node path is cut into full
+    (:class:`~minirad.event_tree.EventTree`). Every root-to-node path is cut into full
     ``block_size``-token blocks from its first token; each such block is published once, as
     vLLM's BlockPool would cache it:
 
@@ -402,9 +408,11 @@ class RadixBlockEvents:
       ``none_hash(hash_seed)``, with the namespace ``extra_key`` of the insert in the first
       block's extra keys (:func:`~minirad.multimodal.block_extra_keys`), masked to 64 bits
       (:func:`block_hash_u64`); ``parent_block_hash`` is the previous block's (None for
-      the first block); ``token_ids`` are the radix key's tokens, so an image's positions
-      hold its pad id (``>= vocab_size``), not the placeholder id vLLM publishes (the pad id
-      already makes the hash depend on the image; ``extra_keys`` carries no images);
+      the first block); ``token_ids`` and ``extra_keys`` are what vLLM publishes: given
+      ``image_token_id`` and ``vocab_size``, each image pad id of the key (``>= vocab_size``)
+      goes back to the placeholder id, and the image into the extra keys of every block it
+      overlaps as ``(mm_hash, offset - block start)``, its hash read back from the pad id
+      (:func:`~minirad.multimodal.pad_value` keeps the whole digest);
       ``medium`` is ``"CPU"``, since our KV pool is CPU memory (vLLM's CPU backend says
       ``"GPU"``: its block pool always does).
     - a split -> nothing: the path, its blocks and their hashes are unchanged.
@@ -425,9 +433,13 @@ class RadixBlockEvents:
             backend, :data:`~minirad.vllm_env.VLLM_BLOCK_SIZE`).
         hash_seed: seeds the hash chain (:func:`~minirad.block_pool.none_hash`).
         medium: the ``medium`` field of every event.
+        image_token_id: the model's image placeholder id, with ``vocab_size``. Without them
+            the key's ids go out as they are, pad ids included: fine in-process, but a pad id
+            has more than 64 bits and msgpack, so the ZMQ wire, carries 64.
 
     Raises:
-        InvalidArgumentError: ``block_size`` is not a positive int.
+        InvalidArgumentError: ``block_size`` is not a positive int; only one of
+            ``image_token_id`` / ``vocab_size`` is given.
     """
 
     def __init__(
@@ -438,9 +450,14 @@ class RadixBlockEvents:
         block_size: int = VLLM_BLOCK_SIZE,
         hash_seed: int | str = 0,
         medium: str = "CPU",
+        image_token_id: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        if (image_token_id is None) != (vocab_size is None):
+            raise InvalidArgumentError("give both image_token_id and vocab_size, or neither")
+        self.image_token_id, self.vocab_size = image_token_id, vocab_size
         self.sink = sink
         self.block_size = block_size
         self.medium = medium
@@ -486,7 +503,7 @@ class RadixBlockEvents:
             self._on_split(e)
         elif isinstance(e, EvictEvent):
             self.tree.apply(e)
-            del self.tree.evicted[e.node_id]  # kept there for drawing; we never draw it
+            self.tree.release()  # evicted nodes are kept for drawing; we never draw them
             self._on_evict(e.node_id)
         elif isinstance(e, ResetEvent) and e.source == RESET_SOURCE:
             self._clear()
@@ -505,10 +522,10 @@ class RadixBlockEvents:
         if stop > first:
             # Plain ints: a numpy scalar in a key pickles, so hashes, differently (tokens.py).
             tokens = [int(t) for t in self._tail(parent, start - first * bs) + list(e.key)]
-            tokens = tokens[: (stop - first) * bs]
+            tokens, images = self._unpad(tokens[: (stop - first) * bs], first * bs, parent)
             extra_keys = []
             for j in range(first, stop):
-                extra = block_extra_keys(j * bs, (j + 1) * bs, (), e.extra_key)
+                extra = block_extra_keys(j * bs, (j + 1) * bs, images, e.extra_key)
                 block = tokens[(j - first) * bs : (j - first + 1) * bs]
                 digest = hash_block_tokens(digest, block, extra)
                 owned.append(((j + 1) * bs, digest))
@@ -526,6 +543,31 @@ class RadixBlockEvents:
             )
         self._owned[leaf] = owned
         self._chain[leaf] = digest
+
+    def _unpad(
+        self, ids: list[int], start: int, parent: int
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """vLLM's tokens and images for the path's tokens ``ids`` from position ``start``
+        (the path above them ends at ``parent``): each run of one pad id becomes placeholders
+        and a :class:`~minirad.multimodal.MultiModalItem` at its offset in the path (a run at
+        ``start`` may have begun above it, so its start is looked up there)."""
+        if self.vocab_size is None:
+            return ids, []
+        tokens, images, i = list(ids), [], 0
+        for pad, run in itertools.groupby(ids):
+            n = len(list(run))
+            if pad >= self.vocab_size:
+                offset = start + i
+                if i == 0:  # the image may have begun in an earlier block
+                    above = self._tail(parent, self._end[parent])  # the whole path
+                    while offset > 0 and above[offset - 1] == pad:
+                        offset -= 1
+                images.append(
+                    MultiModalItem(offset, start + i + n - offset, _pad_hash(pad, self.vocab_size))
+                )
+                tokens[i : i + n] = [self.image_token_id] * n
+            i += n
+        return tokens, images
 
     def _tail(self, node: int, n: int) -> list[int]:
         """The last ``n`` tokens of the path from the root to ``node``."""

@@ -12,13 +12,27 @@ Usage::
 
 ``images`` are paths relative to the JSONL file; the optional sampling fields are those of
 :class:`~minirad.engine.SamplingParams` (``max_new_tokens``, ``temperature``, ``top_k``,
-``top_p``, ``seed``). It prints every answer, then what the radix cache and the encoder cache
-saved over the whole batch (the engine's :class:`~minirad.engine.EngineStats`).
+``top_p``, ``seed``). It prints every answer with its finish reason, then what the radix
+cache and the encoder cache saved over the whole batch (the engine's
+:class:`~minirad.engine.EngineStats`).
 
-A plain prompt is wrapped in the model's chat template with one image item per image, as
-vLLM's and SGLang's chat endpoints do (``--raw`` sends it as written: it must then hold the
-image placeholders itself). Any error (missing model or image, bad JSONL line, bad setting)
-prints one line on stderr and exits with status 2.
+Inputs, the same rules for both commands:
+
+- A prompt must hold a non-space character.
+- A plain prompt is wrapped in the model's chat template as the user turn: one image item
+  per image, all before the question, in the order given (the content list a chat request
+  to vLLM or SGLang would carry). It must not contain the placeholder (``<image>``) itself;
+  ``--raw`` sends the prompt as written, and it must then hold one placeholder per image.
+- Every model minirad loads is a VLM: a request without an image runs, with a warning on
+  stderr (the course's tiny model was trained on image questions only).
+- Images are checked before the model loads: a missing path, a directory, a file that is
+  not an image, or an image above PIL's decompression-bomb limit
+  (``PIL.Image.MAX_IMAGE_PIXELS``, about 89 M pixels) is refused.
+
+``generate`` prints the answer on stdout and its finish reason on stderr, as vLLM and the
+OpenAI API report it: ``stop`` (a stop token) or ``length`` (``--max-new-tokens`` reached,
+or the context full at the model's ``max_model_len``). Any error (missing model or image,
+bad JSONL line, bad setting) prints one line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -26,30 +40,41 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-from transformers.utils import logging as hf_logging
-
-from .argtypes import positive_int
-from .engine import (
-    POLICIES,
-    PREFIX_STRATEGIES,
-    GenerateRequest,
-    LLMEngine,
-    RequestOutput,
-    SamplingParams,
-)
+from .argtypes import positive_int, prompt_text
 from .errors import ImageError, InvalidArgumentError, MiniradError, RequestError
-from .events import AllocEvent, Event
-from .models import DEFAULT_MODEL_DIR
+from .vllm_server import DEFAULT_MODEL_DIR
 
-__all__ = ["BatchStats", "build_parser", "chat_prompt", "load_requests", "main"]
+if TYPE_CHECKING:  # the engine imports torch and transformers: only the commands load it
+    from .engine import GenerateRequest, LLMEngine, RequestOutput, SamplingParams
+
+__all__ = [
+    "BatchStats",
+    "build_parser",
+    "chat_prompt",
+    "check_image",
+    "finish_note",
+    "load_requests",
+    "main",
+    "RequestLine",
+    "run_batch",
+]
 
 # The per-request fields a JSONL line may set (besides "prompt" and "images").
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+# The engine's choices (minirad.engine.PREFIX_STRATEGIES and POLICIES), spelled here so that
+# --help and a bad choice answer without importing torch; test_cli checks they agree.
+PREFIX_STRATEGIES = ("radix", "truncate", "none")
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+NO_IMAGE_WARNING = (
+    "no image given: the model answers from the text alone (minirad's models are VLMs; "
+    "the course's tiny model was trained on image questions only)"
+)
 
 
 def chat_prompt(processor, prompt: str, num_images: int) -> str:
@@ -67,26 +92,71 @@ def chat_prompt(processor, prompt: str, num_images: int) -> str:
     )
 
 
-def _check_images(paths: Sequence[Path]) -> None:
-    """Fail before the model loads (seconds) if an image file is missing."""
-    for p in paths:
-        if not p.is_file():
-            raise ImageError(f"image {str(p)!r} not found")
+def check_image(path: Path, where: str = "", written: str | None = None) -> None:
+    """Refuse an image that the engine could not read, before the model loads (seconds).
 
-
-def load_requests(
-    path: str | Path, max_new_tokens: int = 32
-) -> list[tuple[str, list[Path], SamplingParams]]:
-    """Parse a requests JSONL file: ``(prompt, image paths, sampling params)`` per non-blank
-    line, image paths resolved against the file's folder, ``max_new_tokens`` unless the line
-    sets it.
+    Only the header is read (``PIL.Image.open`` is lazy). The message starts with ``where``
+    (``"requests.jsonl:3: "``) and shows the path as ``written`` (default ``str(path)``) and,
+    if that differs, as resolved.
 
     Raises:
-        RequestError: unreadable file, or a line that is not a JSON object with a non-empty
-            string ``prompt``, a list of string ``images`` and only valid sampling fields
-            (the message names the line).
-        ImageError: an image file does not exist.
+        ImageError: ``path`` is missing, a directory, not an image PIL can identify, or has
+            more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (PIL's decompression-bomb limit:
+            decoding it takes tens of seconds and the model downsizes it anyway).
     """
+    from PIL import Image, UnidentifiedImageError
+
+    written = str(path) if written is None else written
+    shown = repr(written)
+    if str(path.resolve()) != written:
+        shown += f" (resolved: {str(path.resolve())!r})"
+    if path.is_dir():
+        raise ImageError(f"{where}image {shown} is a directory, not an image file")
+    if not path.exists():
+        raise ImageError(f"{where}image {shown} not found")
+    limit = Image.MAX_IMAGE_PIXELS
+    too_big = f"downscale it first; minirad reads images up to {limit:,} pixels"
+    try:
+        with warnings.catch_warnings():
+            # PIL warns above the limit and raises above twice it: we refuse both, in words.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                width, height = img.size
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{where}image {shown} has over {2 * limit:,} pixels: {too_big}") from e
+    except (UnidentifiedImageError, OSError) as e:
+        raise ImageError(f"{where}cannot read image {shown}: not an image file ({e})") from e
+    if limit is not None and width * height > limit:
+        raise ImageError(
+            f"{where}image {shown} is {width}x{height} ({width * height:,} pixels): {too_big}"
+        )
+
+
+def _warn(command: str, message: str) -> None:
+    print(f"minirad {command}: warning: {message}", file=sys.stderr)
+
+
+class RequestLine(NamedTuple):
+    """One request of a JSONL file: where it is (``"requests.jsonl:3"``) and what it asks."""
+
+    where: str
+    prompt: str
+    images: list[Path]
+    params: SamplingParams
+
+
+def load_requests(path: str | Path, max_new_tokens: int = 32) -> list[RequestLine]:
+    """Parse a requests JSONL file: one :class:`RequestLine` per non-blank line, image paths
+    resolved against the file's folder, ``max_new_tokens`` unless the line sets it.
+
+    Raises:
+        RequestError: unreadable file, or a line that is not a JSON object with a ``prompt``
+            string holding a non-space character, a list of string ``images`` and only valid
+            sampling fields (the message names the line).
+        ImageError: an image :func:`check_image` refuses (the message names the line).
+    """
+    from .engine import SamplingParams
+
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -106,8 +176,8 @@ def load_requests(
         if unknown := set(obj) - {"prompt", "images", *SAMPLING_FIELDS}:
             raise RequestError(f"{where}: unknown fields {sorted(unknown)}")
         prompt, images = obj.get("prompt"), obj.get("images", [])
-        if not isinstance(prompt, str) or not prompt:
-            raise RequestError(f"{where}: 'prompt' must be a non-empty string")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise RequestError(f"{where}: 'prompt' must be a string with a non-space character")
         if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
             raise RequestError(f"{where}: 'images' must be a list of paths")
         try:
@@ -118,8 +188,9 @@ def load_requests(
         except RequestError as e:
             raise RequestError(f"{where}: {e}") from e
         paths = [path.parent / p for p in images]
-        _check_images(paths)
-        out.append((prompt, paths, params))
+        for written, p in zip(images, paths, strict=True):
+            check_image(p, f"{where}: ", written)
+        out.append(RequestLine(where, prompt, paths, params))
     if not out:
         raise RequestError(f"{path}: no requests")
     return out
@@ -133,6 +204,11 @@ def _load_engine(args: argparse.Namespace, **settings) -> LLMEngine:
     """
     if not Path(args.model).is_dir():
         raise InvalidArgumentError(f"model folder {str(args.model)!r} not found")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from .engine import LLMEngine
+
     # The course's models are tiny: a second intra-op thread only adds synchronisation.
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()  # "Loading weights" bars would bury the answer
@@ -145,24 +221,73 @@ def _load_engine(args: argparse.Namespace, **settings) -> LLMEngine:
 
 
 def _request(
-    engine: LLMEngine, prompt: str, images: Sequence[Path], raw: bool, params: SamplingParams
+    engine: LLMEngine,
+    prompt: str,
+    images: Sequence[Path],
+    raw: bool,
+    params: SamplingParams,
+    where: str = "",
 ) -> GenerateRequest:
-    text = prompt if raw else chat_prompt(engine.processor, prompt, len(images))
-    return GenerateRequest(text, [str(p) for p in images], params)
+    """The engine request for a CLI prompt (templated unless ``raw``).
+
+    Raises:
+        RequestError: a plain prompt holds the image placeholder (``where`` prefixes it).
+    """
+    from .engine import GenerateRequest
+
+    if not raw:
+        placeholder = getattr(engine.processor, "image_token", None)
+        if placeholder and placeholder in prompt:
+            raise RequestError(
+                f"{where}the prompt contains {placeholder!r}: without --raw the images go "
+                f"before the question, one per image; remove it, or pass --raw with a "
+                f"fully templated prompt"
+            )
+        prompt = chat_prompt(engine.processor, prompt, len(images))
+    return GenerateRequest(prompt, [str(p) for p in images], params)
+
+
+def finish_note(out: RequestOutput, max_new_tokens: int, max_model_len: int) -> str:
+    """Why a request's generation stopped, in words: ``"finish_reason: stop (...)"`` or
+    ``"finish_reason: length (...)"`` (vLLM's and OpenAI's names), with the token counts.
+
+    ``length`` names its cause: ``max_new_tokens`` reached, or the context full
+    (prompt + output tokens == ``max_model_len``) before it.
+    """
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    if out.finish_reason == "length" and n_out < max_new_tokens:
+        why = (
+            f"the context is full: {n_prompt} prompt + {n_out} output tokens = max_model_len "
+            f"{max_model_len}, before max_new_tokens {max_new_tokens}"
+        )
+    elif out.finish_reason == "length":
+        why = f"max_new_tokens {max_new_tokens} reached"
+    elif out.finish_reason == "stop":
+        why = f"stop token after {n_out} tokens"
+    else:
+        why = f"{n_out} tokens"
+    return f"finish_reason: {out.finish_reason} ({why})"
 
 
 def _generate(args: argparse.Namespace) -> int:
     images = [Path(p) for p in args.image]
-    _check_images(images)
+    for p in images:
+        check_image(p)
+    from .engine import SamplingParams  # after the checks above: it takes seconds (torch)
+
     params = SamplingParams(**{k: getattr(args, k) for k in SAMPLING_FIELDS})
     engine = _load_engine(args)
     request = _request(engine, args.prompt, images, args.raw, params)
+    if not images:
+        _warn(args.command, NO_IMAGE_WARNING)
     if args.stream:
         for out in engine.stream(request):
             print(out.new_text, end="", flush=True)
         print()
     else:
-        print(engine.generate([request])[0].text)
+        out = engine.generate([request])[0]
+        print(out.text)
+    print(finish_note(out, params.max_new_tokens, engine.max_model_len), file=sys.stderr)
     return 0
 
 
@@ -171,7 +296,9 @@ class BatchStats:
     """What one batch cost and saved (tokens unless named otherwise).
 
     ``peak_kv_slots`` counts slots held by running requests and by the radix tree together,
-    at the moment after an allocation when the pool was fullest.
+    at the moment after an allocation when the pool was fullest. ``cached_tokens`` counts a
+    request's prefix hits at its first admission only (vLLM #25787), so the hit rate never
+    exceeds 100%; what a preempted request finds again is ``preempted_cached_tokens``.
     """
 
     num_requests: int
@@ -185,6 +312,7 @@ class BatchStats:
     num_kv_slots: int
     page_size: int
     num_preemptions: int
+    preempted_cached_tokens: int
 
     @property
     def hit_rate(self) -> float:
@@ -209,7 +337,11 @@ class BatchStats:
                 f"{self.peak_kv_slots} / {self.num_kv_slots} "
                 f"({pages} / {total_pages} pages of {self.page_size})",
             ),
-            ("preemptions", f"{self.num_preemptions}"),
+            (
+                "preemptions",
+                f"{self.num_preemptions} ({self.preempted_cached_tokens} tokens found again in "
+                "the tree on readmission, not counted as hits)",
+            ),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -223,6 +355,8 @@ def run_batch(
     The engine's counters are read before and after, so an engine that already served
     requests reports only this batch; the peak is taken from the pool's allocation events.
     """
+    from .events import AllocEvent, Event
+
     pool = engine.allocator
     peak = pool.size - pool.available_size()
 
@@ -250,6 +384,7 @@ def run_batch(
         num_kv_slots=pool.size,
         page_size=pool.page_size,
         num_preemptions=after.num_preemptions - before.num_preemptions,
+        preempted_cached_tokens=after.preempted_cached_tokens - before.preempted_cached_tokens,
     )
     return outs, stats
 
@@ -264,12 +399,17 @@ def _batch(args: argparse.Namespace) -> int:
         policy=args.policy,
     )
     requests = [
-        _request(engine, prompt, images, args.raw, params) for prompt, images, params in lines
+        _request(engine, line.prompt, line.images, args.raw, line.params, f"{line.where}: ")
+        for line in lines
     ]
+    for line in lines:
+        if not line.images:
+            _warn(args.command, f"{line.where}: {NO_IMAGE_WARNING}")
     outs, stats = run_batch(engine, requests)
-    for i, ((prompt, images, _), out) in enumerate(zip(lines, outs, strict=True)):
-        about = f" ({', '.join(p.name for p in images)})" if images else ""
-        print(f"[{i}] {prompt}{about}\n    -> {out.text}")
+    for i, (line, out) in enumerate(zip(lines, outs, strict=True)):
+        about = f" ({', '.join(p.name for p in line.images)})" if line.images else ""
+        note = finish_note(out, line.params.max_new_tokens, engine.max_model_len)
+        print(f"[{i}] {line.prompt}{about}\n    -> {out.text}\n    {note}")
     print()
     print(stats.format())
     return 0
@@ -293,9 +433,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="answer one prompt", formatter_class=fmt)
     _add_common(g)
-    g.add_argument("--prompt", required=True, help="the question")
-    g.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
-    g.add_argument("--max-new-tokens", type=positive_int, default=32)
+    g.add_argument(
+        "--prompt",
+        type=prompt_text,
+        required=True,
+        help="the question (without --raw: no '<image>' in it; the images go before it)",
+    )
+    g.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="image file; repeat for several: they go before the question, in this order",
+    )
+    g.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=32,
+        help="at most this many tokens; fewer if the context (max_model_len) fills first",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0, help="0: off")
     g.add_argument("--top-p", type=float, default=1.0, help="1: off")
@@ -310,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-strategy", choices=PREFIX_STRATEGIES, default="radix")
     b.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
     b.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool in tokens")
-    b.add_argument("--policy", choices=POLICIES, default="fcfs", help="scheduling order")
+    b.add_argument("--policy", choices=SCHEDULING_POLICIES, default="fcfs", help="scheduling order")
     b.set_defaults(run=_batch)
     return parser
 

@@ -6,8 +6,7 @@ engine runs one layer at a time: ``k_cache[layer]`` is a contiguous
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensor, and its flat view
 ``[num_blocks * block_size, num_kv_heads, head_dim]`` is indexed directly by a *slot*
 ``slot = block_id * block_size + offset``. vLLM keeps one such tensor per layer for the same
-reason (``vllm/v1/worker/gpu_model_runner.py``); the seeds' ``[num_blocks, num_layers, ...]``
-would make every layer's write and gather strided.
+reason (``vllm/v1/worker/gpu_model_runner.py``): blocks first would stride every write.
 
 Two allocators share that slot space:
 
@@ -21,13 +20,12 @@ Two allocators share that slot space:
 from __future__ import annotations
 
 import operator
-from array import array
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from .errors import InvalidArgumentError, OutOfMemoryError, UnknownBlockError
+from .errors import InvalidArgumentError, InvalidKeyError, OutOfMemoryError, UnknownBlockError
 from .events import AllocEvent, EventBus, FreeEvent, ResetEvent
 
 __all__ = ["KVCache", "TokenToKVPoolAllocator", "block_table_from_slots", "slot_mapping"]
@@ -167,6 +165,10 @@ class TokenToKVPoolAllocator:
         size: capacity in tokens, a multiple of ``page_size``.
         page_size: tokens per page (= ``block_size`` of the :class:`KVCache`).
         bus: event bus for :class:`AllocEvent` / :class:`FreeEvent` (a private one if None).
+
+    Attributes:
+        cache_owned: ``[size]`` bool, set and cleared by the :class:`~minirad.RadixCache` over
+            this allocator for the slots it holds; :meth:`free` refuses them (at once).
     """
 
     def __init__(self, size: int, page_size: int = 1, bus: EventBus | None = None) -> None:
@@ -179,15 +181,17 @@ class TokenToKVPoolAllocator:
         self.size, self.page_size = size, page_size
         self.num_pages = size // page_size
         self.bus = bus if bus is not None else EventBus()
+        self.cache_owned = np.zeros(size, dtype=bool)
         self.clear()
 
     def clear(self) -> None:
-        """Free every page (a :class:`ResetEvent`)."""
+        """Free every page (a :class:`ResetEvent`); the cache over it must be reset too."""
         # A FIFO queue as a list plus a head index: slicing runs in C, where a deque would
         # pop one page at a time in Python (the allocator is on every request's hot path).
         self._free_pages: list[int] = list(range(self.num_pages))
         self._head = 0
         self._allocated = np.zeros(self.num_pages, dtype=bool)  # page handed out?
+        self.cache_owned[:] = False  # in place: the cache holds this array
         if self.bus.active:
             self.bus.emit(ResetEvent(self.bus.tick(), "token_pool"))
 
@@ -231,21 +235,14 @@ class TokenToKVPoolAllocator:
         """Return the pages that hold ``slots`` (a page is freed once, whichever of its slots
         are named).
 
-        Raises:
-            UnknownBlockError: a slot is out of range or its page is not allocated; nothing
-                is freed.
+        Raises (nothing is freed then):
+            UnknownBlockError: a slot is out of range or its page is not allocated.
+            InvalidKeyError: the radix cache holds a slot (it frees it when it evicts it).
         """
         if len(slots) == 0:
             return
-        try:
-            arr = array("q", slots)  # C-speed type check
-        except (TypeError, OverflowError):
-            self._raise_bad_free(slots)
-        ps = self.page_size
         # dict.fromkeys keeps the order and drops repeats: a page is freed once.
-        pages = list(dict.fromkeys(arr if ps == 1 else (s // ps for s in arr)))
-        if min(arr) < 0 or max(arr) >= self.size or not self._allocated[pages].all():
-            self._raise_bad_free(slots)
+        pages = list(dict.fromkeys((self._checked(slots) // self.page_size).tolist()))
         self._allocated[pages] = False
         self._free_pages.extend(pages)
         self.bus.tick()
@@ -253,15 +250,24 @@ class TokenToKVPoolAllocator:
             self.bus.emit(FreeEvent(self.bus.time, "token_pool", "slot", tuple(slots)))
 
     def check_allocated(self, slots: Sequence[int]) -> None:
-        """Raise :class:`UnknownBlockError` unless every slot is an int in range whose page is
-        handed out."""
-        if len(slots) == 0:
-            return
+        """Raise what :meth:`free` would raise for ``slots``: every slot must be an int in
+        range whose page is handed out, and not held by the cache."""
+        if len(slots):
+            self._checked(slots)
+
+    def _checked(self, slots: Sequence[int]) -> np.ndarray:
+        """``slots`` as an int array if :meth:`free` may free them all; else raise why not."""
         arr = np.asarray(slots)
-        if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= self.size:
+        if (
+            arr.dtype.kind not in "iu"
+            or arr.ndim != 1
+            or arr.min() < 0
+            or arr.max() >= self.size
+            or not self._allocated[arr // self.page_size].all()
+            or self.cache_owned[arr].any()
+        ):
             self._raise_bad_free(slots)
-        if not self._allocated[arr if self.page_size == 1 else arr // self.page_size].all():
-            self._raise_bad_free(slots)
+        return arr
 
     def _raise_bad_free(self, slots: Sequence[int]) -> None:
         """Raise the error that says what is wrong with ``slots``."""
@@ -274,6 +280,9 @@ class TokenToKVPoolAllocator:
                 raise UnknownBlockError(f"slot {s} is not in 0..{self.size - 1}")
             if not self._allocated[s // self.page_size]:
                 raise UnknownBlockError(f"slot {s} (page {s // self.page_size}) is not allocated")
+            if self.cache_owned[s]:
+                raise InvalidKeyError(f"slot {s} is held by the radix cache (freed on eviction)")
+        raise UnknownBlockError(f"slots must be ints, got {slots!r}")  # e.g. bools
 
     def is_allocated(self, slot: int) -> bool:
         """True if ``slot`` is in range and its page is handed out."""

@@ -38,8 +38,6 @@ __all__ = [
     "placeholder_runs",
 ]
 
-PAD_RANGE = 1 << 30  # pad ids live in [vocab_size, vocab_size + PAD_RANGE)
-
 
 def hash_image(image: Image.Image, **preprocess: object) -> str:
     """SHA-256 hex digest of an image's decoded pixels, mode, size and ``preprocess``
@@ -62,11 +60,24 @@ def hash_image(image: Image.Image, **preprocess: object) -> str:
 
 
 def pad_value(image_hash: str, vocab_size: int) -> int:
-    """The token id that stands for every placeholder of this image in cache keys.
+    """The id that stands for every placeholder of this image in radix keys:
+    ``vocab_size + int(image_hash, 16)``, the whole digest.
 
-    Always ``>= vocab_size``, so it can never equal a real token id.
+    Always ``>= vocab_size``, so it never equals a real token id, and two images get the same
+    pad id only if their SHA-256 digests are equal. SGLang keeps 30 bits of the hash
+    (``hash % 2**30``), because its pad ids go into the model's int64 ``input_ids``; two of
+    about 2**15 images then share a pad id, and the second is served the first one's KV.
+    Here the model reads ``prompt_token_ids`` and the pad ids live only in the radix key, a
+    Python list, so nothing is cut. The id has more than 64 bits: it never goes into a tensor,
+    a numpy array, or a JSON number read by a browser (show it as hex).
+
+    Raises:
+        ImageError: ``image_hash`` is not a hex digest.
     """
-    return vocab_size + int(image_hash[:16], 16) % PAD_RANGE
+    try:
+        return vocab_size + int(image_hash, 16)
+    except (TypeError, ValueError):
+        raise ImageError(f"an image hash is a hex digest, got {image_hash!r}") from None
 
 
 def placeholder_runs(input_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:

@@ -26,9 +26,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import graphviz
 import numpy as np
 
 from .errors import (
@@ -36,7 +35,6 @@ from .errors import (
     InvalidKeyError,
     InvariantError,
     LockError,
-    UnknownBlockError,
 )
 from .events import (
     EventBus,
@@ -52,6 +50,9 @@ from .events import (
 from .eviction import EvictionPolicy, get_policy
 from .kv_pool import TokenToKVPoolAllocator
 from .tokens import as_token_ids
+
+if TYPE_CHECKING:
+    import graphviz
 
 __all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
 
@@ -140,9 +141,12 @@ class MatchResult(NamedTuple):
     last_node: TreeNode
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     """The request state the lifecycle helpers need (a subset of SGLang's ``Req``).
+
+    The engine's :class:`minirad.engine.Request` extends it (one object per request, as
+    nano-vllm's ``Sequence``). Compared by identity.
 
     Attributes:
         rid: request id.
@@ -231,12 +235,9 @@ class RadixCache:
         self._next_sim_slot = 0  # slots handed out by insert(value=None)
         # owned[slot] is True while a node holds that slot: rejects giving a slot to the tree
         # twice. A numpy mask, not a set: it is updated for every inserted and evicted token.
-        self._owned = np.zeros(
-            self.token_to_kv_pool_allocator.size if self.token_to_kv_pool_allocator else 0,
-            dtype=bool,
-        )
-        self.queries = 0  # tokens looked up by match_prefix
-        self.hits = 0  # tokens found by match_prefix
+        # With an allocator it is the allocator's own mask, so its free() refuses these slots.
+        alloc = self.token_to_kv_pool_allocator
+        self._owned = alloc.cache_owned if alloc is not None else np.zeros(0, dtype=bool)
 
     def reset(self) -> None:
         """Drop the whole tree; its slots go back to the allocator, if there is one.
@@ -246,8 +247,9 @@ class RadixCache:
         """
         if self.protected_size_:
             raise LockError(f"cannot reset: {self.protected_size_} tokens are locked")
-        if self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free(self.all_values_flatten())
+        slots = self.all_values_flatten()
+        self._owned[slots] = False
+        self._free(slots)
         self._init_tree()
         t = self.bus.tick()
         if self.bus.active:
@@ -282,7 +284,7 @@ class RadixCache:
 
         Mutates the tree like SGLang: a match that ends inside an edge splits that node, so
         the returned ``last_node`` ends exactly at the matched prefix; every node on the path
-        gets the current time and one more ``hit_count``. Counts ``queries`` / ``hits``.
+        gets the current time and one more ``hit_count``.
 
         Args:
             key: token ids, ``len(key)`` tokens.
@@ -302,38 +304,46 @@ class RadixCache:
         key = self._aligned(key)
         t = self.bus.tick()
         indices, node, path = self._match(key, extra_key, t, count_hit=True)
-        self.queries += len(key)
-        self.hits += len(indices)
         if self.bus.active:
             self.bus.emit(MatchEvent(t, tuple(path), len(indices), len(key), extra_key))
         return MatchResult(indices, node)
 
     def _match(self, key: list[int], extra_key, t: int, count_hit: bool):
-        node = self.root_node
-        node.last_access_time = t
-        indices: list[int] = []
-        path: list[int] = []
-        i = 0
+        walked, _, cut = self._tree_walk(key, extra_key)
+        node = self._visit(walked, cut, t, count_hit)
+        return [s for n in walked for s in n.value], node, [n.id for n in walked]
+
+    def _tree_walk(self, key: list[int], extra_key) -> tuple[list[TreeNode], int, int]:
+        """The one walk of match and insert (mini-sglang's ``_tree_walk``); changes nothing.
+        Returns the nodes walked (root excluded), how many tokens of ``key`` they match, and
+        where the match leaves the last node's edge (0: at its end)."""
+        walked: list[TreeNode] = []
+        node, i = self.root_node, 0
         while i < len(key):
             child = node.children.get(self._child_key(key, i, extra_key))
             if child is None:
                 break
-            child.last_access_time = t
-            m = self._match_len(child.key, key, i)
-            split = m < len(child.key)
-            if split:
-                child = self._split_node(child, m, t)
-            if count_hit:
-                child.hit_count += 1
-            indices += child.value
-            path.append(child.id)
-            node = child
-            i += m
-            if split:
-                break
+            m = self._match_len(child.key, key, i)  # >= one page: the child key matched
+            walked.append(child)
+            node, i = child, i + m
+            if m < len(child.key):
+                return walked, i, m
+        return walked, i, 0
+
+    def _visit(self, walked: list[TreeNode], cut: int, t: int, count_hit: bool) -> TreeNode:
+        """Touch a walk's nodes at time ``t`` and split its last node at ``cut`` (in place in
+        ``walked``); return the node that ends the walk (the root when ``walked`` is empty)."""
+        self.root_node.last_access_time = t
+        for n in walked:
+            n.last_access_time = t
+        if cut:
+            walked[-1] = self._split_node(walked[-1], cut, t)
+        for n in walked if count_hit else ():
+            n.hit_count += 1
+        node = walked[-1] if walked else self.root_node
         if node in self.evictable_leaves:  # its priority changed (access time, hit count)
             self._push_evictable(node)
-        return indices, node, path
+        return node
 
     def _split_node(self, child: TreeNode, m: int, t: int) -> TreeNode:
         """Cut ``parent -> child`` into ``parent -> new -> child`` after ``m`` tokens; return
@@ -403,63 +413,31 @@ class RadixCache:
         simulated: bool = False,
         slots_checked: bool = False,
     ) -> int:
-        """:meth:`insert` on validated ids; ``slots_checked``: the caller has already asked the
-        allocator about ``value``."""
+        """:meth:`insert` on validated ids (SGLang's ``_insert_helper``); ``slots_checked``: the
+        caller has already asked the allocator about ``value``."""
         key = self._aligned(key)
         value = value[: len(key)]
-        # Walk first without changing anything, so bad slots are rejected before any split.
-        walked: list[TreeNode] = []
-        node, i, cut = self.root_node, 0, 0
-        while i < len(key):
-            child = node.children.get(self._child_key(key, i, extra_key))
-            if child is None:
-                break
-            m = self._match_len(child.key, key, i)
-            walked.append(child)
-            node, i = child, i + m
-            if m < len(child.key):  # the key leaves (or ends inside) this edge
-                cut = m
-                break
-        if i < len(key):
+        walked, i, cut = self._tree_walk(key, extra_key)
+        if i < len(key):  # bad slots are rejected before the walk splits anything
             if simulated:
                 value[i:] = range(self._next_sim_slot, self._next_sim_slot + len(key) - i)
                 self._next_sim_slot += len(key) - i
-            new_value = value[i:]
-            alloc = self.token_to_kv_pool_allocator
-            limit = alloc.size if alloc is not None else MAX_SIMULATED_SLOT
-            if max(new_value) >= limit:
-                raise InvalidKeyError(f"slot {max(new_value)} is out of range (< {limit})")
-            new_idx = np.array(new_value, dtype=np.int64)
-            self._grow_owned(int(new_idx.max()) + 1)
-            if self._owned[new_idx].any() or len(set(new_value)) != len(new_value):
-                raise InvalidKeyError("insert would give the tree a slot it already owns")
-            if alloc is not None and not slots_checked:
-                alloc.check_allocated(new_value)
-            if self.page_size > 1 and not simulated:
-                self._check_whole_pages(new_value)
+            self._check_new_slots(value[i:], simulated, slots_checked)
         t = self.bus.tick()
-        self.root_node.last_access_time = t
-        for n in walked:
-            n.last_access_time = t
-        if cut:
-            node = self._split_node(node, cut, t)
-            walked[-1] = node
-        path = [n.id for n in walked]
+        node = self._visit(walked, cut, t, count_hit=False)
         leaf = None
         if i < len(key):
-            leaf = self._new_node(key[i:], new_value, node, t, extra_key)
+            leaf = self._new_node(key[i:], value[i:], node, t, extra_key)
             node.children[self._child_key(key, i, extra_key)] = leaf
-            self.evictable_size_ += len(new_value)
-            self._owned[new_idx] = True
+            self.evictable_size_ += len(leaf.value)
+            self._owned[leaf.value] = True
             self.evictable_leaves.discard(node)
             self._add_evictable(leaf)
-        elif walked and walked[-1] in self.evictable_leaves:  # touched: a new priority
-            self._push_evictable(walked[-1])
         if self.bus.active:
             self.bus.emit(
                 InsertEvent(
                     t,
-                    tuple(path),
+                    tuple(n.id for n in walked),
                     i,
                     leaf.id if leaf else None,
                     node.id if leaf else None,
@@ -469,6 +447,21 @@ class RadixCache:
                 )
             )
         return i
+
+    def _check_new_slots(self, slots: list[int], simulated: bool, slots_checked: bool) -> None:
+        """Slots for new leaves: in range, distinct, not the tree's already, handed out by the
+        allocator (unless ``slots_checked``), whole pages."""
+        alloc = self.token_to_kv_pool_allocator
+        limit = alloc.size if alloc is not None else MAX_SIMULATED_SLOT
+        if max(slots) >= limit:
+            raise InvalidKeyError(f"slot {max(slots)} is out of range (< {limit})")
+        self._grow_owned(max(slots) + 1)
+        if self._owned[slots].any() or len(set(slots)) != len(slots):
+            raise InvalidKeyError("insert would give the tree a slot it already owns")
+        if alloc is not None and not slots_checked:
+            alloc.check_allocated(slots)
+        if self.page_size > 1 and not simulated:
+            self._check_whole_pages(slots)
 
     def _grow_owned(self, size: int) -> None:
         if size > len(self._owned):  # only without an allocator: slot ids are unbounded
@@ -500,32 +493,23 @@ class RadixCache:
 
         Raises:
             InvalidArgumentError: ``num_tokens`` is negative.
-            UnknownBlockError: the allocator does not know a victim's slots (someone freed
-                them behind the tree's back); the leaves evicted before it stay evicted.
         """
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         self.bus.tick()
-        alloc = self.token_to_kv_pool_allocator
         heap = self._evict_heap
         freed: list[int] = []
         while len(freed) < num_tokens and heap:
             if not self._is_current(heap[0]):  # locked, deleted or touched since its push
                 heapq.heappop(heap)
                 continue
-            x = heap[0][3]
-            if alloc is not None:  # if the allocator would refuse, this leaf stays
-                try:
-                    alloc.check_allocated(x.value)
-                except UnknownBlockError:
-                    self._free(freed)  # the leaves already gone still return their slots
-                    raise
-            heapq.heappop(heap)
+            x = heapq.heappop(heap)[3]
             freed += x.value
             self._delete_leaf(x)  # pushes the parent if it became an evictable leaf
             if self.bus.active:
                 self.bus.emit(EvictEvent(self.bus.time, x.id, len(x.value), tuple(x.value)))
-        self._free(freed)  # cannot fail: every victim's slots were checked, all distinct
+        # Cannot fail: the allocator's free() refuses the tree's slots to everyone else.
+        self._free(freed)
         return freed
 
     def _add_evictable(self, node: TreeNode) -> None:
@@ -649,13 +633,8 @@ class RadixCache:
             yield n
             stack.extend(reversed(n.children.values()))
 
-    @property
-    def hit_rate(self) -> float:
-        """``hits / queries`` in tokens (0.0 before the first query)."""
-        return self.hits / self.queries if self.queries else 0.0
-
     # ------------------------------------------------------------------ request lifecycle
-    def match_prefix_for_req(self, req: Req) -> list[int]:
+    def match_prefix_for_req(self, req: Req, max_prefix_len: int | None = None) -> list[int]:
         """Match a new (or resumed) request and lock its prefix.
 
         At most ``len(req.fill_ids) - 1`` tokens may match: the last token is always computed
@@ -663,20 +642,36 @@ class RadixCache:
         last-token rule). Sets ``req.prefix_indices``, ``req.kv_indices`` (a copy),
         ``req.last_node`` (locked) and ``req.cache_protected_len``.
 
+        Args:
+            max_prefix_len: a tighter cap on the matched tokens (the scheduler's prefix
+                strategies: 0 reuses nothing, the first image's offset only the text before it).
+
         Returns:
             the matched slots.
+
+        Raises:
+            LockError: the request already holds a lock.
         """
         if req.last_node is not None:
             raise LockError(f"request {req.rid} already holds a lock; finish it first")
         _check_extra_key(req.extra_key)
         fill = req.fill_ids
-        indices, node = self._match_prefix(fill[: max(len(fill) - 1, 0)], req.extra_key)
-        self.inc_lock_ref(node)
-        req.prefix_indices = indices
-        req.kv_indices = list(indices)
-        req.last_node = node
-        req.cache_protected_len = len(indices)
+        cap = max(len(fill) - 1, 0)
+        if max_prefix_len is not None:
+            cap = min(cap, max_prefix_len)
+        indices, node = self._match_prefix(fill[:cap], req.extra_key)
+        self._hold(req, node, indices, list(indices))
         return indices
+
+    def _hold(self, req: Req, node: TreeNode | None, indices: list[int], kv: list[int]) -> None:
+        """Move the request's lock to ``node`` (None: release it), the end of its tree prefix
+        ``indices``; ``kv`` becomes its slots."""
+        if node is not None:
+            self.inc_lock_ref(node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_indices, req.kv_indices = node, indices, kv
+        req.cache_protected_len = len(indices)
 
     def _check_req(self, req: Req) -> tuple[list[int], list[int]]:
         """The request's tokens that have KV and their slots, validated before the tree
@@ -689,7 +684,7 @@ class RadixCache:
             raise InvalidKeyError(
                 f"request {req.rid} has {len(kv)} KV slots for {len(fill)} tokens"
             )
-        if self.token_to_kv_pool_allocator is not None:
+        if self.token_to_kv_pool_allocator is not None:  # its own: allocated, not the tree's
             self.token_to_kv_pool_allocator.check_allocated(kv[req.cache_protected_len :])
         req.kv_indices = kv
         return fill[: len(kv)], kv
@@ -711,28 +706,30 @@ class RadixCache:
             self._aligned(token_ids), req.extra_key, self.bus.tick(), count_hit=False
         )
         kv[: len(new_indices)] = new_indices
-        self.inc_lock_ref(new_node)
-        self.dec_lock_ref(req.last_node)
-        req.prefix_indices = new_indices
-        req.last_node = new_node
-        req.cache_protected_len = len(new_indices)
+        self._hold(req, new_node, new_indices, kv)
 
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Insert a finished request's tokens, free its duplicate and unaligned slots, and
-        release its lock.
+        release its lock (SGLang's ``cache_finished_req``).
 
         Only tokens with KV are cached: ``req.kv_indices`` must not include the last sampled
         token (it was never fed back to the model).
+
+        Args:
+            is_insert: False frees the request's own slots instead of caching them (a request
+                deferred or refused at admission, or a cache that reuses nothing).
+
+        Raises:
+            LockError: the request holds no lock.
+            InvalidKeyError, UnknownBlockError: its slots are not its own (checked first).
         """
         token_ids, kv = self._check_req(req)
-        n = len(token_ids) - len(token_ids) % self.page_size
-        prefix_len = self._insert(token_ids[:n], kv[:n], req.extra_key, slots_checked=True)
+        n = prefix_len = req.cache_protected_len
+        if is_insert:
+            n = len(token_ids) - len(token_ids) % self.page_size
+            prefix_len = self._insert(token_ids[:n], kv[:n], req.extra_key, slots_checked=True)
         self._free(kv[req.cache_protected_len : prefix_len] + kv[n:])
-        self.dec_lock_ref(req.last_node)
-        req.last_node = None
-        req.kv_indices = []
-        req.prefix_indices = []
-        req.cache_protected_len = 0
+        self._hold(req, None, [], [])
 
     def _free(self, slots: list[int]) -> None:
         if self.token_to_kv_pool_allocator is not None and slots:
@@ -769,11 +766,13 @@ class RadixCache:
         """A ``graphviz.Digraph`` of the tree: one box per node (id, tokens, lock_ref), the
         edge label showing the key (decoded if ``decode`` is given). Locked nodes are shaded.
         Rendering needs Graphviz's ``dot`` program (``make lab`` installs it)."""
-        dot = graphviz.Digraph(
+        from .dot import digraph, escape  # drawing is not part of the cache: graphviz on demand
+
+        dot = digraph(
             "radix_tree",
             graph_attr={"rankdir": "LR"},
-            node_attr={"shape": "box", "fontname": "Helvetica", "fontsize": "10"},
-            edge_attr={"fontname": "Helvetica", "fontsize": "9"},
+            node_attr={"shape": "box", "fontsize": "10"},
+            edge_attr={"fontsize": "9"},
         )
         dot.node("0", "root", shape="circle")
         for n in self._nodes():
@@ -783,7 +782,7 @@ class RadixCache:
             style = {"style": "filled", "fillcolor": "#cfe2ff"} if n.lock_ref else {}
             dot.node(str(n.id), f"#{n.id}  {len(n.key)} tok\\nlock_ref={n.lock_ref}", **style)
             # escape(): decoded text such as "<image>" must not be read as DOT markup.
-            dot.edge(str(n.parent.id), str(n.id), label=graphviz.escape(text))
+            dot.edge(str(n.parent.id), str(n.id), label=escape(text))
         return dot
 
     def check_invariants(self) -> None:

@@ -137,7 +137,7 @@ class RecordedOutput:
         self, image_token_id: int
     ) -> tuple[tuple[int, ...], tuple[int, ...], list[MultiModalItem]]:
         """``(prompt ids, output ids, images)`` for
-        :func:`~minirad.block_pool.serve_one_at_a_time`: every run of placeholders keyed by
+        :func:`~minirad.kv_cache_manager.serve_one_at_a_time`: every run of placeholders keyed by
         the image's file name (any key that tells images apart gives vLLM's hits)."""
         runs = placeholder_runs(self.prompt_token_ids, image_token_id)
         items = [MultiModalItem(offset, length, self.request.image) for offset, length in runs]

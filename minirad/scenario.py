@@ -19,42 +19,39 @@ Example::
     for result in replay.run():
         print(result.step.caption, result.names(result.evicted))
         draw_step(result)                         # a graphviz.Digraph
+
+A node keeps one letter (a, b, c, ... in order of creation) through the whole replay, so a
+caption's "node c" is the same box in every panel; a split's prefix keeps the letter and the
+suffix gets a new one.
 """
 
 from __future__ import annotations
 
 import json
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import graphviz
-
+from . import dot
 from .errors import InvalidArgumentError
-from .events import (
-    Event,
-    EventBus,
-    EvictEvent,
-    InsertEvent,
-    MatchEvent,
-    ResetEvent,
-    SplitEvent,
-    plural,
-)
+from .event_tree import EventNode, EventTree
+from .events import Event, EventBus, EvictEvent, InsertEvent, MatchEvent, SplitEvent, plural
 from .eviction import EvictionPolicy
 from .kv_pool import TokenToKVPoolAllocator
 from .radix_cache import RadixCache
 
+if TYPE_CHECKING:
+    import graphviz
+
 __all__ = [
     "DEFAULT_SCENARIO",
     "LABEL_SEP",
-    "EventTree",
     "Request",
     "Scenario",
     "ScenarioReplay",
     "Step",
     "StepResult",
-    "ViewNode",
     "draw_step",
     "load_scenario",
 ]
@@ -84,7 +81,8 @@ class Step:
 
     ``expected`` holds ``tree`` (nested ``{label: {child label: ...}}``), ``added``,
     ``accessed``, ``evicted`` (label lists) and ``split`` (``[prefix, suffix]`` label pairs).
-    ``letters`` maps the figure's node letters to labels.
+    ``letters`` maps the letters the caption names to the labels of those nodes (letters
+    are the replay's: see :attr:`StepResult.letters`).
     """
 
     number: int
@@ -142,54 +140,6 @@ def load_scenario(path: str | Path = DEFAULT_SCENARIO) -> Scenario:
     )
 
 
-# ------------------------------------------------------------------ the tree, from events
-@dataclass
-class ViewNode:
-    """A node as the events describe it: its edge's tokens and its place in the tree."""
-
-    id: int
-    parent: int | None
-    key: tuple[int, ...]
-    children: list[int] = field(default_factory=list)
-
-
-class EventTree:
-    """The radix tree's shape rebuilt from events alone (what a visualizer can know).
-
-    Insert adds a leaf; split cuts an edge (the prefix keeps the id, the suffix takes the
-    children); evict removes a leaf and keeps it in ``evicted`` so it can still be drawn.
-    """
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        """Back to a root-only tree."""
-        self.nodes: dict[int, ViewNode] = {0: ViewNode(0, None, ())}
-        self.evicted: dict[int, ViewNode] = {}
-
-    def apply(self, event: Event) -> None:
-        """Update the shape for one event (a bus subscriber); other kinds change nothing."""
-        if isinstance(event, InsertEvent) and event.node_id is not None:
-            self.nodes[event.node_id] = ViewNode(event.node_id, event.parent_id, event.key)
-            self.nodes[event.parent_id].children.append(event.node_id)
-        elif isinstance(event, SplitEvent):
-            prefix = self.nodes[event.node_id]
-            suffix = ViewNode(
-                event.new_node_id, prefix.id, prefix.key[event.split_len :], prefix.children
-            )
-            for c in suffix.children:
-                self.nodes[c].parent = suffix.id
-            prefix.key, prefix.children = prefix.key[: event.split_len], [suffix.id]
-            self.nodes[suffix.id] = suffix
-        elif isinstance(event, EvictEvent):
-            node = self.nodes.pop(event.node_id)
-            self.nodes[node.parent].children.remove(node.id)
-            self.evicted[node.id] = node
-        elif isinstance(event, ResetEvent) and event.source == "radix_cache":
-            self.clear()
-
-
 # ------------------------------------------------------------------ one step's outcome
 @dataclass(frozen=True)
 class StepResult:
@@ -207,18 +157,21 @@ class StepResult:
         splits: ``(prefix id, suffix id)`` of every split; the prefix keeps the old id.
         labels: node id -> segment label (nodes and ghosts).
         texts: node id -> decoded text of the edge (nodes and ghosts).
+        letters: node id -> the node's letter (nodes and ghosts): ``a`` for the first node
+            the replay created, ``b`` for the next...; a node keeps it in every step.
     """
 
     step: Step
     events: tuple[Event, ...]
-    nodes: dict[int, ViewNode]
-    ghosts: dict[int, ViewNode]
+    nodes: dict[int, EventNode]
+    ghosts: dict[int, EventNode]
     added: tuple[int, ...]
     accessed: tuple[int, ...]
     evicted: tuple[int, ...]
     splits: tuple[tuple[int, int], ...]
     labels: dict[int, str]
     texts: dict[int, str]
+    letters: dict[int, str]
 
     def names(self, ids) -> list[str]:
         """Labels of the given node ids."""
@@ -285,6 +238,7 @@ class ScenarioReplay:
             eviction_policy=eviction_policy, token_to_kv_pool_allocator=self.allocator, bus=self.bus
         )
         self.view = EventTree()
+        self._letters: dict[int, str] = {}  # node id -> letter, for the whole replay
         self._events: list[Event] = []
         self.bus.subscribe(self.view.apply)
         self.bus.subscribe(self._events.append)
@@ -373,11 +327,12 @@ class ScenarioReplay:
         skip = set(added) | set(evicted)
         accessed = list(dict.fromkeys(i for i in walked if i not in skip))
         splits = [(e.node_id, e.new_node_id) for e in events if isinstance(e, SplitEvent)]
-        nodes = {
-            i: ViewNode(n.id, n.parent, n.key, list(n.children)) for i, n in self.view.nodes.items()
-        }
-        ghosts = {i: self.view.evicted[i] for i in evicted}
+        gone = self.view.release()  # first: the copies' children are then the live ones
+        nodes = {i: replace(n, children=list(n.children)) for i, n in self.view.nodes.items()}
+        ghosts = {i: gone[i] for i in evicted}
         keys = {i: n.key for i, n in (nodes | ghosts).items() if i != 0}
+        for i in sorted(keys.keys() - self._letters.keys()):  # ids grow with creation
+            self._letters[i] = _letter(len(self._letters))
         return StepResult(
             step=step,
             events=events,
@@ -389,7 +344,18 @@ class ScenarioReplay:
             splits=tuple(splits),
             labels={i: self.label(k) for i, k in keys.items()},
             texts={i: self.tokenizer.decode(list(k)) for i, k in keys.items()},
+            letters={i: self._letters[i] for i in keys},
         )
+
+
+def _letter(k: int) -> str:
+    """The ``k``-th letter name: ``a`` .. ``z``, then ``aa``, ``ab``..."""
+    name = ""
+    k += 1
+    while k:
+        k, r = divmod(k - 1, 26)
+        name = chr(ord("a") + r) + name
+    return name
 
 
 # ------------------------------------------------------------------ drawing
@@ -409,43 +375,39 @@ def _label_text(text: str, width: int, max_lines: int) -> str:
     lines = [w for part in text.strip().split("\n") for w in textwrap.wrap(part, width) or [""]]
     if len(lines) > max_lines:
         lines = lines[: max_lines - 2] + ["…", lines[-1]]
-    return "".join(graphviz.escape(line) + "\\l" for line in lines)
+    return "".join(dot.escape(line) + "\\l" for line in lines)
 
 
 def draw_step(result: StepResult, width: int = 28, max_lines: int = 5) -> graphviz.Digraph:
     """The tree after ``result``'s step, coloured by what the step did, with the nodes it
     evicted drawn as red dashed ghosts under their old parents.
 
-    Each box shows the edge's text (wrapped to ``width`` characters, at most ``max_lines``
-    lines), its length in tokens, and the figure's letter if the step's caption names one.
+    Each box shows the node's letter (the same in every step), the edge's length in tokens and
+    its text (wrapped to ``width`` characters, at most ``max_lines`` lines).
     """
-    by_label = {label: letter for letter, label in result.step.letters.items()}
-    tags = {i: by_label[lab] for i, lab in result.labels.items() if lab in by_label}
     n = result.step.number
-    dot = graphviz.Digraph(
+    graph = dot.digraph(
         f"step{n}",
         graph_attr={
             "label": f"({n}) {result.step.title}",
             "labelloc": "t",
-            "fontname": "Helvetica",
             "fontsize": "12",
             "nodesep": "0.2",
             "ranksep": "0.25",
         },
-        node_attr={"shape": "box", "style": "rounded,filled", "fontname": "Helvetica"},
+        node_attr={"shape": "box", "style": "rounded,filled"},
         edge_attr={"arrowhead": "none", "color": "#555555"},
     )
-    dot.node("0", "root", shape="circle", fontsize="9", fillcolor="#eeeeee", color="#777777")
+    graph.node("0", "root", shape="circle", fontsize="9", fillcolor="#eeeeee", color="#777777")
     for node in [*result.nodes.values(), *result.ghosts.values()]:
         if node.id == 0:
             continue
         state = result.state(node.id)
-        head = f"({tags[node.id]}) " if node.id in tags else ""
-        head += "evicted, " if state == "evicted" else ""
+        head = f"({result.letters[node.id]}) " + ("evicted, " if state == "evicted" else "")
         text = _label_text(result.texts[node.id], width, max_lines)
-        label = f"{graphviz.escape(head)}{plural(len(node.key), 'token')}\\l{text}"
+        label = f"{dot.escape(head)}{plural(len(node.key), 'token')}\\l{text}"
         style = "rounded,dashed" if state == "evicted" else "rounded,filled"
-        dot.node(str(node.id), label, fontsize="9", style=style, **_STYLE[state])
+        graph.node(str(node.id), label, fontsize="9", style=style, **_STYLE[state])
         edge = {"style": "dashed", "color": "#c62828"} if state == "evicted" else {}
-        dot.edge(str(node.parent), str(node.id), **edge)
-    return dot
+        graph.edge(str(node.parent), str(node.id), **edge)
+    return graph

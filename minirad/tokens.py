@@ -14,6 +14,8 @@ from .errors import InvalidKeyError
 
 __all__ = ["as_token_ids"]
 
+_ALL_GOOD = object()  # no bad id found (None cannot say it: None is a bad id)
+
 
 def as_token_ids(ids: Sequence[int], name: str = "key", plain: bool = False) -> list[int]:
     """``ids`` as a list of ints >= 0 (lists, tuples, numpy arrays and torch tensors accepted).
@@ -23,7 +25,7 @@ def as_token_ids(ids: Sequence[int], name: str = "key", plain: bool = False) -> 
     pickles differently from the int it equals).
 
     Raises:
-        InvalidKeyError: ``ids`` is not a sequence of integers >= 0 (and < 2**64).
+        InvalidKeyError: ``ids`` is not a sequence of integers >= 0.
     """
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
@@ -33,8 +35,10 @@ def as_token_ids(ids: Sequence[int], name: str = "key", plain: bool = False) -> 
         checked = array("Q", ids)
     except (TypeError, OverflowError):
         try:
-            bad = next((t for t in ids if not isinstance(t, int) or t < 0), ids)
+            bad = next((t for t in ids if not isinstance(t, int) or t < 0), _ALL_GOOD)
         except TypeError:  # not iterable at all
             bad = ids
+        if bad is _ALL_GOOD:  # ints >= 0, some of 64 bits or more: pad ids (multimodal.pad_value)
+            return ids if type(ids) is list and not plain else [int(t) for t in ids]
         raise InvalidKeyError(f"{name} must be a sequence of ints >= 0, got {bad!r}") from None
     return ids if type(ids) is list and not plain else checked.tolist()

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 import transformers
+from huggingface_hub import ModelCard, ModelCardData
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -81,7 +82,9 @@ from .tokenizer import IM_END, IMAGE_TOKEN, load_tokenizer
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "MODEL_CARD_TEMPLATE",
     "TrainConfig",
+    "TrainRun",
     "PackedBatcher",
     "answer_logits",
     "build_model",
@@ -89,6 +92,7 @@ __all__ = [
     "evaluate",
     "generate_answers",
     "make_examples",
+    "model_card",
     "train",
 ]
 
@@ -567,7 +571,8 @@ def train(cfg: TrainConfig, command: str = "") -> dict[str, float]:
         reloaded, reprocessor, cfg.eval_scenes, image_size=cfg.image_size, system=SYSTEM_PROMPTS[0]
     )
     eval_seconds = time.perf_counter() - t0
-    _write_model_card(cfg, model, command, seconds, eval_seconds, accuracy, with_system, curve)
+    run = TrainRun(command, seconds, eval_seconds, accuracy, with_system, curve, _software())
+    model_card(cfg, model, run).save(cfg.out / "README.md")
     print(f"trained {cfg.steps} steps in {seconds:.0f} s; accuracy {accuracy}")
     return accuracy
 
@@ -604,153 +609,60 @@ def save_checkpoint(
     save_file(tensors, path, metadata=metadata)
 
 
-def _write_model_card(
-    cfg: TrainConfig,
-    model: LlavaForConditionalGeneration,
-    command: str,
-    seconds: float,
-    eval_seconds: float,
-    accuracy: dict[str, float],
-    with_system: dict[str, float],
-    curve: list[tuple[int, float, float, float, float]],
-) -> None:
-    """Write ``README.md`` (a Hugging Face model card) with this run's measured numbers."""
+MODEL_CARD_TEMPLATE = Path(__file__).with_name("model_card_template.md")
+
+
+class TrainRun(NamedTuple):
+    """What one training run measured: the numbers its model card reports."""
+
+    command: str  # the command line that trained the model
+    seconds: float  # training wall time, held-out checks included
+    eval_seconds: float  # both evaluations of :func:`train`
+    accuracy: dict[str, float]  # exact match per task (:func:`evaluate`)
+    with_system: dict[str, float]  # the same after the system turn SYSTEM_PROMPTS[0]
+    # (step, seconds, loss EMA, caption exact, question exact) at each held-out check
+    curve: list[tuple[int, float, float, float, float]]
+    software: str  # "torch X, transformers Y, Python Z" of the run
+
+
+def _software() -> str:
+    return (
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def model_card(cfg: TrainConfig, model: LlavaForConditionalGeneration, run: TrainRun) -> ModelCard:
+    """The Hugging Face model card of a model trained with ``cfg`` and saved in ``cfg.out``:
+    :data:`MODEL_CARD_TEMPLATE` (Jinja, rendered by ``ModelCard.from_template``) filled with
+    the configuration, the parameter counts, the file size and ``run``'s measurements."""
 
     def count(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters())
 
-    parts = {
-        "vision tower (CLIP ViT)": count(model.model.vision_tower),
-        "projector (MLP)": count(model.model.multi_modal_projector),
-        "text model (Llama; embeddings tied to the LM head)": count(model.model.language_model),
-    }
-    total = count(model)
-    size = (cfg.out / "model.safetensors").stat().st_size
-    n_tokens = (cfg.image_size // cfg.patch_size) ** 2
-    param_rows = "\n".join(f"| {k} | {v:,} |" for k, v in parts.items())
-    acc_rows = "\n".join(f"| {k} | {v:.3f} | {with_system[k]:.3f} |" for k, v in accuracy.items())
-    system = (
-        f"; for {cfg.system_prob:.0%} of the scenes the prompts open with a system turn (one"
-        " of `minirad.scenes.SYSTEM_PROMPTS`)"
-        if cfg.system_prob
-        else ""
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="image-text-to-text",
+        tags=["llava", "tiny", "synthetic", "minirad"],
     )
-    weights = ", ".join(f"{t} {w}" for t, w in QUESTION_WEIGHTS.items())
-    weak = [f"{t} ({a:.3f})" for t, a in accuracy.items() if t in TASK_TYPES and a < 0.95]
-    limits = f"Below 0.95: {', '.join(weak)}." if weak else "Every task is at 0.95 or better."
-    curve_rows = "\n".join(
-        f"| {s} | {t:.0f} | {loss:.4f} | {c:.3f} | {q:.3f} |" for s, t, loss, c, q in curve
+    return ModelCard.from_template(
+        data,
+        template_path=MODEL_CARD_TEMPLATE,
+        cfg=cfg,
+        run=run,
+        parameters={
+            "vision tower (CLIP ViT)": count(model.model.vision_tower),
+            "projector (MLP)": count(model.model.multi_modal_projector),
+            "text model (Llama; embeddings tied to the LM head)": count(model.model.language_model),
+        },
+        total=count(model),
+        size=(cfg.out / "model.safetensors").stat().st_size,
+        image_tokens=(cfg.image_size // cfg.patch_size) ** 2,
+        question_weights=QUESTION_WEIGHTS,
+        weak={t: a for t, a in run.accuracy.items() if t in TASK_TYPES and a < 0.95},
+        eval_seed=EVAL_SEED,
+        system_prompt=SYSTEM_PROMPTS[0],
     )
-    card = f"""---
-library_name: transformers
-pipeline_tag: image-text-to-text
-tags: [llava, tiny, synthetic, minirad]
----
-
-# minirad-tiny-llava
-
-A {total / 1e6:.2f}M-parameter LLaVA (`LlavaForConditionalGeneration`) trained from scratch on
-CPU to describe, and answer questions about, synthetic scenes of coloured shapes
-(`minirad.scenes`). It is the offline default model of the minirad course: small enough to
-commit, loaded in well under a second, and served by the course's paged KV-cache engine. It
-knows nothing outside its toy world.
-
-```python
-from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
-
-model = AutoModelForImageTextToText.from_pretrained("data/models/minirad-tiny-llava")
-processor = AutoProcessor.from_pretrained("data/models/minirad-tiny-llava")
-image = Image.open("data/images/red_circle_left_of_blue_square.png")
-content = [{{"type": "image"}}, {{"type": "text", "text": "Describe the image."}}]
-text = processor.apply_chat_template(
-    [{{"role": "user", "content": content}}], add_generation_prompt=True, tokenize=False
-)
-inputs = processor(images=image, text=text, return_tensors="pt")
-out = model.generate(**inputs, max_new_tokens=32)  # greedy; stops at <|im_end|>
-print(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
-# a red circle left of a blue square
-```
-
-## Architecture
-
-- Vision: CLIP ViT, {cfg.image_size}x{cfg.image_size} px RGB input, patch {cfg.patch_size} px,
-  so {n_tokens} patch tokens (plus a CLS token, dropped by the `"default"` feature strategy);
-  hidden {cfg.vision_hidden}, {cfg.vision_layers} layers, {cfg.vision_heads} heads, MLP
-  {cfg.vision_mlp}; features taken from the last layer.
-- Projector: Linear({cfg.vision_hidden}, {cfg.text_hidden}), GELU,
-  Linear({cfg.text_hidden}, {cfg.text_hidden}).
-- Text: Llama, hidden {cfg.text_hidden}, {cfg.text_layers} layers, {cfg.text_heads} query heads
-  and {cfg.text_kv_heads} KV heads (GQA), head_dim {cfg.text_hidden // cfg.text_heads}, SwiGLU
-  MLP {cfg.text_mlp}, RoPE, input embeddings tied to the LM head.
-- Tokenizer: the course's byte-level BPE (`data/tokenizer/`, vocabulary 1024). Ids:
-  `<|endoftext|>`=0 (padding), `<|im_start|>`=1, `<|im_end|>`=2 (end of an answer, the
-  `eos_token_id` of `generation_config.json`), `<image>`=3. The processor expands the one
-  `<image>` of a prompt into {n_tokens} copies of id 3.
-- Prompt: ChatML with the image first in the user turn (`chat_template.jinja`):
-  `<|im_start|>user\\n<image>\\nDescribe the image.<|im_end|>\\n<|im_start|>assistant\\n`.
-
-| part | parameters |
-|---|---|
-{param_rows}
-| **total** | **{total:,}** |
-
-`model.safetensors`: {size:,} bytes ({size / 2**20:.2f} MiB), float32, with the Hub's LLaVA
-tensor names (`vision_tower.vision_model.*`), so vLLM loads the folder as it is too.
-
-## Training
-
-Data: scenes drawn on the fly by `minirad.scenes.random_scene` (1 to 3 shapes in a row, 6
-colours, circle / square / triangle, random sizes, gaps and places; rows left to right or top
-to bottom), never repeated. Each scene is asked its caption and {cfg.questions_per_image} other
-questions, drawn without replacement with weights {weights}{system}. Every prompt template and
-its answer are in `minirad.scenes`; a "where" answer names the two shapes in reading order
-("the red circle is left of the blue square"). The questions about one image share one
-packed sequence: the image prefix is encoded once and a 4-D attention
-mask keeps each question's tokens from seeing the other questions, so every answer is computed
-exactly as for a one-question prompt (`minirad.train.PackedBatcher`). Loss: cross-entropy on
-the answer tokens and the closing `<|im_end|>` only.
-
-Optimiser: AdamW (betas 0.9 / 0.98, weight decay {cfg.weight_decay} on weight matrices), lr
-{cfg.lr}, linear warm-up over {cfg.warmup:.0%} of the steps then cosine decay to 0, gradient
-clipping at 1.0, {cfg.batch_size} scenes per step, {cfg.steps} steps
-({cfg.steps * cfg.batch_size:,} scenes), seed {cfg.seed}, float32,
-`torch.set_num_threads({cfg.threads})`. Training is deterministic for a given seed and thread
-count.
-
-Command (from the repository root):
-
-```
-{command}
-```
-
-Measured training time: **{seconds:.0f} s ({seconds / 60:.1f} min)** on {cfg.threads} CPU
-thread(s) of a 2-core machine shared with other jobs (torch {torch.__version__}, transformers
-{transformers.__version__}, Python {platform.python_version()}), including the held-out checks
-below.
-
-Held-out checks during training (64 fixed held-out scenes with all their questions;
-teacher-forced exact match, which equals greedy exact match):
-
-| step | seconds | loss (EMA) | captions | questions |
-|---|---|---|---|---|
-{curve_rows}
-
-## Evaluation
-
-{cfg.eval_scenes} fresh scenes (seed {EVAL_SEED}, not used in training), each asked its
-caption and one question of every type it admits; greedy `generate()` through the stock path
-(`AutoModelForImageTextToText` and `AutoProcessor` loaded from this folder); exact string
-match; {eval_seconds:.1f} s for both columns. "questions" pools the five question types. The
-second column asks the same questions after the system turn "{SYSTEM_PROMPTS[0]}".
-
-| task | exact match | with a system prompt |
-|---|---|---|
-{acc_rows}
-
-{limits} `tests/test_tiny_vlm.py` checks the accuracy again on other fresh scenes.
-"""
-    (cfg.out / "README.md").write_text(card, encoding="utf-8")
 
 
 def _parse(argv: Sequence[str] | None) -> TrainConfig:

@@ -93,3 +93,12 @@ def vllm_python():
         if os.environ.get("CI"):
             pytest.fail(str(e))
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless chromium for every browser test (Debian's, by path: see viz.bench)."""
+    from viz.bench import chromium
+
+    with chromium() as b:
+        yield b

@@ -9,15 +9,17 @@ class) and declares::
         diagnosed = DIAGNOSED               # [(exercise, typical mistake, word of the reason)]
 
 Every test method below that takes ``exercise`` (and ``oracle``, ``solution``) then runs once
-per case, with the exercise's short name (``q1``, ``01.1``) as its id; the class-level
+per case, with the exercise's short name (``q1``) as its id; the class-level
 ``pytest_generate_tests`` hook does that (pytest looks for this hook in test classes too:
 https://docs.pytest.org/en/stable/how-to/parametrize.html#pytest-generate-tests).
 
 The contract, per exercise: the oracle's answer is correct and ``check`` says so; near misses of
 it (:func:`near_misses`) are incorrect; at least one typical mistake is diagnosed with the reason
 the learner must read; the untouched stub ``...`` is "not attempted"; the hint prints; the
-printed solution is runnable code whose ``answer`` equals the oracle's and passes. Per chapter:
-every exercise of the module has a case, and checking leaves the global RNGs alone.
+printed solution is runnable code whose ``answer`` equals the oracle's and passes; the name is
+``"qN title"`` with ``qN`` the module's name for it; a reason reads as words for the learner (no
+``TypeError:`` prefix, no "too high / too low"). Per chapter: every exercise of the module has a
+case, and checking leaves the global RNGs alone.
 
 A chapter adapts the contract with class attributes (``solution_globals``, ``wrong_answers``),
 or by overriding a test and calling ``super()``.
@@ -26,6 +28,7 @@ or by overriding a test and calling ``super()``.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -41,6 +44,8 @@ Case = tuple[Exercise, Oracle, str]  # (exercise, oracle, solution code)
 CASE_FIELDS = ("exercise", "oracle", "solution")
 Diagnosis = tuple[Exercise, Any, str]  # (exercise, wrong answer, a word of the reason)
 Capsys = pytest.CaptureFixture[str]
+# What a reason must not look like: a Python exception's name, or a bisection game.
+NOT_FOR_LEARNERS = re.compile(r"^\w*(Error|Exception)\b|too (high|low)", re.IGNORECASE)
 
 
 def near_misses(right: object) -> list[object]:
@@ -178,9 +183,17 @@ class ExerciseContract:
 
     def test_wrong_answers_fail(self, exercise: Exercise, oracle: Oracle, capsys: Capsys) -> None:
         for wrong in self.wrong_answers(oracle()):
-            assert not exercise.is_correct(wrong), wrong
+            problem = exercise.problem(wrong)
+            assert problem is not None, wrong
+            assert not NOT_FOR_LEARNERS.search(problem), (wrong, problem)
             exercise.check(wrong)
             assert capsys.readouterr().out.startswith(f"[{exercise.name}] incorrect: "), wrong
+
+    def test_name_is_the_variable_and_a_title(self, exercise: Exercise) -> None:
+        """``[q1 matched length]``: the name the learner calls, then what it asks."""
+        short, _, title = exercise.name.partition(" ")
+        assert re.fullmatch(r"q\d+", short) and title, exercise.name
+        assert getattr(self.chapter, short) is exercise
 
     def test_typical_mistakes_get_a_reason(self, exercise: Exercise, capsys: Capsys) -> None:
         mistakes = [(a, reason) for ex, a, reason in self.typical_mistakes() if ex is exercise]

@@ -2,10 +2,10 @@
 
 - :class:`BlockHashTree` (vLLM -> minirad) is fed vLLM-shaped events (the fields of a real
   LLaVA request, through our msgpack decoder) and its minirad events go to a real
-  ``viz.frames.FrameBuilder``: chains, the image fork, copies, removals of blocks that have
+  ``viz.frame_builder.FrameBuilder``: chains, the image fork, copies, removals of blocks that have
   children, a subscriber that joined late, resets, bad events, determinism.
 - :class:`RadixBlockEvents` (minirad -> vLLM) listens to a real RadixCache; its hashes are
-  checked against :class:`~minirad.block_pool.KVCacheManager`'s ``block_hashes`` (the
+  checked against :class:`~minirad.kv_cache_manager.KVCacheManager`'s ``block_hashes`` (the
   BlockPool chain), and a Hypothesis property checks, for random insert / evict / reset
   sequences, that the blocks the published events say are stored are exactly the full blocks
   of every path the cache holds, and that the view rebuilds that same block tree.
@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from minirad.block_events import MASK_64, BlockHashTree, RadixBlockEvents, block_hash_u64
-from minirad.block_pool import KVCacheManager
 from minirad.errors import InvalidArgumentError, KVEventError
 from minirad.events import EventBus, EventRecorder, EvictEvent, InsertEvent, ResetEvent
+from minirad.kv_cache_manager import KVCacheManager
 from minirad.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -38,9 +39,10 @@ from minirad.kv_events import (
     decode_frames,
     encode_batch,
 )
-from minirad.multimodal import pad_value
+from minirad.multimodal import MultiModalItem, pad_value
 from minirad.radix_cache import RadixCache
-from viz.frames import Frame, FrameBuilder, frames_to_wire
+from viz.frame import Frame, frames_to_wire
+from viz.frame_builder import FrameBuilder
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "models" / "minirad-tiny-llava"
@@ -368,6 +370,27 @@ def chain_hashes(tokens, block_size=32, extra_key=None) -> list[int]:
     return [block_hash_u64(d) for d in manager.block_hashes(tokens, extra_key=extra_key)]
 
 
+def test_images_go_out_as_vllm_sends_them():
+    """A pad id (the image's whole hash) goes out as vLLM's placeholder plus the image's
+    ``(mm_hash, offset - block start)`` in every block it overlaps, hashed as vLLM's block pool
+    hashes it; a leaf that starts inside an image still gives the image's true offset."""
+    bus = EventBus()
+    cache = RadixCache(bus=bus)
+    pub = RadixBlockEvents(bus, block_size=4, image_token_id=IMAGE_TOKEN_ID, vocab_size=VOCAB_SIZE)
+    key = [10, 11] + [pad_value(MM_A, VOCAB_SIZE)] * 6 + [12, 13, 14, 15]
+    cache.insert(key[:6])  # a cached prefix that ends inside the image (a prefill chunk)
+    cache.insert(key)  # the new leaf starts at token 6, inside block 1
+    first, rest = pub.take_events()
+    tokens = [10, 11] + [IMAGE_TOKEN_ID] * 6 + [12, 13, 14, 15]
+    image = [MultiModalItem(2, 6, MM_A)]
+    assert first.token_ids == tokens[:4] and first.extra_keys == [[(MM_A, 2)]]
+    assert rest.token_ids == tokens[4:] and rest.extra_keys == [[(MM_A, -2)], None]
+    expected = KVCacheManager(1, 4).block_hashes(tokens, image)
+    assert first.block_hashes + rest.block_hashes == [block_hash_u64(d) for d in expected]
+    with pytest.raises(InvalidArgumentError):
+        RadixBlockEvents(bus, image_token_id=IMAGE_TOKEN_ID)  # no vocab_size
+
+
 def test_page_size_1_publishes_whole_blocks_only():
     cache, pub = publisher()
     tokens = [t % 7 + 10 for t in range(140)]
@@ -458,17 +481,32 @@ def test_block_size_must_be_a_positive_int(bad):
 
 
 # ------------------------------------------------------------------ the property
+def vllm_tokens(path: list[int]) -> tuple[list[int], list[MultiModalItem]]:
+    """A radix path as vLLM keys it: each run of one image pad id (the image's whole hash,
+    ``pad_value``) becomes placeholders plus a ``MultiModalItem`` with that hash."""
+    tokens, items, i = list(path), [], 0
+    for pad, run in itertools.groupby(path):
+        n = len(list(run))
+        if pad >= VOCAB_SIZE:
+            tokens[i : i + n] = [IMAGE_TOKEN_ID] * n
+            items.append(MultiModalItem(i, n, f"{pad - VOCAB_SIZE:064x}"))
+        i += n
+    return tokens, items
+
+
 def cached_blocks(cache: RadixCache, block_size: int) -> dict[int, tuple[int | None, tuple]]:
     """``{hash: (parent hash, token ids)}`` of every full block of every path in the cache,
-    read from the cache's own nodes."""
+    read from the cache's own nodes, hashed as vLLM's block pool hashes them."""
     out = {}
     stack = [(child, list(child.key)) for child in cache.root_node.children.values()]
     while stack:
         node, path = stack.pop()
-        hashes = chain_hashes(path, block_size, node.extra_key)
+        tokens, items = vllm_tokens(path)
+        manager = KVCacheManager(1, block_size)
+        hashes = [block_hash_u64(d) for d in manager.block_hashes(tokens, items, node.extra_key)]
         for j, h in enumerate(hashes):
             parent = hashes[j - 1] if j else None
-            out[h] = (parent, tuple(path[j * block_size : (j + 1) * block_size]))
+            out[h] = (parent, tuple(tokens[j * block_size : (j + 1) * block_size]))
         stack += [(c, path + list(c.key)) for c in node.children.values()]
     return out
 
@@ -638,7 +676,9 @@ def test_our_engine_publishes_to_the_view_through_zmq(shipped):
     assert engine.kv_events is None
 
     names = engine_image_names(engine, images)
-    view, builder, _ = view_with_frames(vocab_size=VOCAB_SIZE, images=names)
+    view, builder, _ = view_with_frames(
+        image_token_id=IMAGE_TOKEN_ID, vocab_size=VOCAB_SIZE, images=names
+    )
     for batch in batches:
         view.extend(batch.events)
     events = [e for b in batches for e in b.events]
@@ -651,7 +691,7 @@ def test_our_engine_publishes_to_the_view_through_zmq(shipped):
     assert view.stored_blocks() == expected and set(view.node_ids()) == set(expected)
     frame = builder.frames[-1]
     assert by_hash(view, frame) == {h: parent for h, (parent, _) in expected.items()}
-    # Every prompt's first block holds its image's pad ids: one chip, named by our hash.
+    # Every prompt's first block holds the start of its image: one chip, named by our hash.
     firsts = [n for n in frame.live if n.parent == 0]
     assert firsts and all(n.label.images[0][:2] == (3, 29) for n in firsts)
     assert {n.label.images[0][2] for n in firsts} <= set(names.values())

@@ -49,14 +49,6 @@ def figure3() -> dict[str, list]:
     return {per: scenario_frames(per=per) for per in ("step", "event")}
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from viz.bench import chromium
-
-    with chromium() as b:
-        yield b
-
-
 @pytest.fixture
 def page(browser):
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
@@ -255,3 +247,47 @@ def test_a_big_tree_is_drawn_collapsed(page, tmp_path):
     assert sum(k for _, k in shown) == len(f.nodes) - len(ids)
     assert page.locator(".rv-edge").count() == len(ids) - 1
     assert not page.console.errors, page.console.errors
+
+
+def test_figure3_text_is_readable_at_the_default_size(browser, figure3, tmp_path):
+    """In an output area as wide as JupyterLab's (~968 px), with "fit" on (the default), the
+    node text of every Figure 3 panel is drawn at 11 px or more, and the canvas is no bigger
+    than the tree on screen."""
+    frames = figure3["step"]
+    context = browser.new_context(viewport={"width": 1000, "height": 900})
+    page = context.new_page()
+    console = Console().watch(page)
+    path = RadixView(frames, title="Figure 3").to_html(tmp_path / "figure3.html")
+    page.goto(path.as_uri())
+    view = page.locator(".radix-view")
+    assert view.locator(".rv-fit input").is_checked()
+    for f in frames:
+        page.wait_for_function(
+            "(c) => document.querySelector('.rv-counter').textContent === c",
+            arg=f"{f.index + 1} / {len(frames)}",
+        )
+        page.wait_for_function(  # boxes are measured at rest, not while they grow or slide
+            "() => document.getAnimations().every((a) => a.playState !== 'running')"
+        )
+        shown = page.evaluate(
+            """() => {
+              const svg = document.querySelector('.rv-tree');
+              const scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+              const px = [...svg.querySelectorAll('.rv-node text.rv-text, .rv-node text.rv-head')]
+                .map((t) => parseFloat(getComputedStyle(t).fontSize) * scale);
+              const boxes = [...svg.querySelectorAll('rect.rv-box')]
+                .map((b) => b.getBoundingClientRect());
+              const r = svg.getBoundingClientRect();
+              return { px, wrap: document.querySelector('.rv-tree-wrap').clientWidth,
+                       right: Math.max(...boxes.map((b) => b.right)) - r.left, width: r.width,
+                       bottom: Math.max(...boxes.map((b) => b.bottom)) - r.top, height: r.height };
+            }"""
+        )
+        assert 900 < shown["wrap"] < 1000, shown["wrap"]
+        assert min(shown["px"], default=11) >= 10.99, (f.index, min(shown["px"]))
+        # No empty canvas: the drawing ends a margin (at most 24 px) after the last box.
+        if len(f.nodes) > 1:
+            assert shown["width"] - shown["right"] < 24 and shown["height"] - shown["bottom"] < 24
+        view.locator(".rv-fwd").click()
+    context.close()
+    assert not console.errors, console.errors

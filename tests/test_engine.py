@@ -486,3 +486,24 @@ def test_shipped_model_matches_hf():
         assert out.token_ids == hf_generate(model, processor, t, ims, max_new_tokens=16)[0]
     assert engine.stats.encoder_calls == 2  # two images, each asked twice
     assert_idle(engine)
+
+
+def test_preempted_request_does_not_count_its_own_kv_as_prefix_hits(llava):
+    """Issue 11 point 1 (vLLM #25787): a readmitted request re-matches its own earlier KV,
+    generated tokens included; that is recompute saved, not a prefix hit. Three 8-token prompts
+    that share nothing, 24 new tokens each, in a pool of 48 slots: they must preempt, and the
+    hit rate must stay 0 (it read "25 cached / 24 prompt tokens" before the fix)."""
+    from minirad.cli import run_batch
+
+    engine = LLMEngine(llava[0], None, num_kv_slots=48)
+    params = SamplingParams(max_new_tokens=24, stop_token_ids=())
+    prompts = [[4 + 8 * i + j for j in range(8)] for i in range(3)]
+    outs, stats = run_batch(engine, [GenerateRequest(p, sampling_params=params) for p in prompts])
+    assert stats.num_preemptions > 0
+    assert [len(o.token_ids) for o in outs] == [24] * 3
+    assert stats.prompt_tokens == 24
+    assert stats.cached_tokens == 0 and stats.hit_rate == 0.0
+    assert [o.stats.cached_tokens for o in outs] == [0, 0, 0]
+    found_again = sum(o.stats.preempted_cached_tokens for o in outs)  # recompute saved
+    assert found_again > 0 and engine.stats.preempted_cached_tokens == found_again
+    assert_idle(engine)

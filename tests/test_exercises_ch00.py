@@ -46,7 +46,7 @@ CASES = [
 
 DIAGNOSED = [
     (ch00.q1, len(IDS_2), "chat-2's match"),  # every prompt token, not the reused ones
-    (ch00.q1, float(oracle_q1()), "whole number"),
+    (ch00.q1, float(oracle_q1()), "got float"),
     (ch00.q2, [1], "walks 2 node"),  # stopping at the system prompt
     (ch00.q2, [1, 3], "not that path"),  # chat-2's branch
     (ch00.q2, 12, "list of node ids"),

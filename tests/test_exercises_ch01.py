@@ -66,17 +66,18 @@ CASES = [
 # Typical mistakes, and a word of the reason the learner must see.
 DIAGNOSED = [
     # stopping at the node boundary instead of inside the edge
-    (ch01.q1, common_len(*ch01.Q1_INSERTS[:2]), "too low"),
-    (ch01.q1, float(oracle_q1()), "expected an int"),
-    (ch01.q2, len(ch01.Q2_INSERTS), "too low"),  # one node per key, no splits
-    (ch01.q2, oracle_q2() + 1, "too high"),
+    (ch01.q1, common_len(*ch01.Q1_INSERTS[:2]), "edge by edge"),
+    (ch01.q1, float(oracle_q1()), "expected one int (tokens), got float"),
+    (ch01.q2, len(ch01.Q2_INSERTS), "a split adds a node"),  # one node per key, no splits
+    (ch01.q2, oracle_q2() + 1, "draw the tree"),
     (ch01.q3, ch01.Q3_INSERTS[1][1][: len(oracle_q3())], "which copy"),  # the second's slots
     (ch01.q3, oracle_q3()[:-1], "the query matches"),
     (ch01.q3, [float(s) for s in oracle_q3()], "expected a list of slot ids"),
     (ch01.q4, (len(ch01.Q4_INSERT), oracle_q4()[1]), "cached tokens"),  # no whole pages
     (ch01.q4, (oracle_q4()[0], common_len(ch01.Q4_INSERT, ch01.Q4_QUERY)), "matched tokens"),
     (ch01.q4, oracle_q4()[0], "expected a pair"),
-    (ch01.q5, 1, "too low"),  # the suffix keeping the id of the node it was split from
+    (ch01.q5, 1, "prefix part"),  # the suffix keeping the id of the node it was split from
+    (ch01.q5, 2, "the order they are created"),
 ]
 
 

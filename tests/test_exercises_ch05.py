@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoProcessor
 
 from minirad.exercises import ch05
 from minirad.models import DEFAULT_MODEL_DIR
+from minirad.multimodal import pad_value
 
 
 @functools.cache
@@ -65,7 +66,8 @@ def placeholders_from(k: list, start: int) -> int:
 
 
 def oracle_q1() -> int:
-    return ch05.Q1_VOCAB_SIZE + int(ch05.Q1_HASH[:16], 16) % 2**30
+    # The formula is pad_value's, tested in test_multimodal; here: the exercise follows it.
+    return pad_value(ch05.Q1_HASH, ch05.Q1_VOCAB_SIZE)
 
 
 def oracle_q2() -> set[str]:
@@ -136,8 +138,13 @@ def diagnosed_mistakes():
     from_image = [len(k) - first_image(k) for k in workload_keys()]
     return [
         (ch05.q1, oracle_q1() - ch05.Q1_VOCAB_SIZE, "vocab_size"),
-        (ch05.q1, ch05.Q1_VOCAB_SIZE + int(ch05.Q1_HASH, 16) % 2**30, "first 16 hex digits"),
-        (ch05.q1, ch05.Q1_VOCAB_SIZE + int(ch05.Q1_HASH[:16], 16), "modulo 2**30"),
+        (ch05.q1, ch05.Q1_VOCAB_SIZE + int(ch05.Q1_HASH[:16], 16) % 2**30, "keeps 30 bits"),
+        (ch05.q1, ch05.Q1_HASH, "expected one int (a token id), got str"),
+        (
+            ch05.q2,
+            "png_copy",
+            "expected a set of variant names (for one name: {'png_copy'}), got str",
+        ),
         (ch05.q2, {"png_copy", "rgba"}, "mode"),
         (ch05.q2, {"png_copy", "other_layout"}, "pixels, not meaning"),
         (ch05.q2, {"png_copy", "size_32"}, "preprocessing"),

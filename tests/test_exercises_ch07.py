@@ -4,7 +4,7 @@ oracle's answer passes, near misses fail, typical mistakes get their reason, the
 
 ``minirad.exercises.ch07`` computes its answers from the raw events of a Figure 3 replay
 (minirad never imports the visualizer) and from a real scheduler step. The oracles here read
-the same facts off the visualizer's frames (``viz.frames``: another consumer of the events,
+the same facts off the visualizer's frames (``viz.frame_builder``: another consumer of the events,
 with its own tree, states and lock counts), and q4's off plain arithmetic.
 """
 

@@ -7,8 +7,10 @@ import torch
 
 from minirad import (
     InvalidArgumentError,
+    InvalidKeyError,
     KVCache,
     OutOfMemoryError,
+    RadixCache,
     TokenToKVPoolAllocator,
     UnknownBlockError,
     block_table_from_slots,
@@ -155,3 +157,26 @@ def test_allocator_rejects_bad_arguments() -> None:
     with pytest.raises(InvalidArgumentError):
         alloc.alloc(-1)
     assert alloc.available_size() == 8
+
+
+def test_free_refuses_the_slots_the_radix_cache_holds_until_it_evicts_them() -> None:
+    """Issue 11 point 13: the mistake fails at the free, not later in evict."""
+    alloc = TokenToKVPoolAllocator(8, page_size=2)
+    cache = RadixCache(2, token_to_kv_pool_allocator=alloc)
+    held = alloc.alloc(4)
+    cache.insert([1, 2], held[:2])
+    cache.insert([3, 4], held[2:])
+    private = alloc.alloc(2)
+    for slots in ([held[1]], [held[2]], private + [held[3]]):  # any slot of a held page
+        with pytest.raises(InvalidKeyError):
+            alloc.free(slots)
+        assert alloc.available_size() == 2  # nothing was freed
+    with pytest.raises(InvalidKeyError):
+        alloc.check_allocated(held)
+    alloc.free(private)
+    assert cache.evict(2) == held[:2]  # the cache frees what it evicts (LRU first)...
+    assert alloc.available_size() == 6 and alloc.cache_owned.tolist() == [0] * 2 + [1] * 2 + [0] * 4
+    cache.reset()  # ...and what it drops
+    assert alloc.available_size() == 8 and not alloc.cache_owned.any()
+    alloc.free(alloc.alloc(8))  # every slot is an ordinary slot again
+    cache.check_invariants()

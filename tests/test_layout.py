@@ -1,4 +1,4 @@
-"""The repository layout the user fixed, and the one-way dependency minirad -> (events) -> viz."""
+"""The repository layout, and the one-way dependency minirad -> (events) -> viz."""
 
 import ast
 from pathlib import Path

@@ -50,17 +50,15 @@ def test_finishing_a_request_whose_slot_was_freed_changes_nothing() -> None:
     cache.check_invariants()
 
 
-def test_evict_stops_at_a_leaf_whose_slots_were_freed_behind_its_back() -> None:
+def test_freeing_a_slot_the_tree_holds_fails_at_the_free() -> None:
     cache, alloc = _cache()
     for key in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
         cache.insert(key, alloc.alloc(3))
-    alloc.free(cache.match_prefix([4, 5, 6]).indices)  # the caller's mistake
-    with pytest.raises(UnknownBlockError):
-        cache.evict(9)
-    # The match made [4, 5, 6] the most recent leaf: the two others went first and their
-    # slots came back; the broken leaf stayed in the tree instead of being half-freed.
-    assert cache.total_size() == 3 and cache.match_prefix([4, 5, 6]).indices != []
-    assert alloc.available_size() == 16
+    with pytest.raises(InvalidKeyError):
+        alloc.free(cache.match_prefix([4, 5, 6]).indices)  # the caller's mistake
+    assert alloc.available_size() == 7  # nothing was freed
+    assert len(cache.evict(9)) == 9 and alloc.available_size() == 16
+    cache.check_invariants()
 
 
 @pytest.mark.parametrize("slots", [[0, 1], [100, 101]])

@@ -82,10 +82,24 @@ class Request:
         return [self.tokens[-1]], list(self.slots), None
 
 
+def image_rows(seqs) -> list[int]:
+    """Rows of the flattened batch ``seqs`` (a list of token lists) that hold a placeholder."""
+    flat = [t for seq in seqs for t in seq]
+    return [i for i, t in enumerate(flat) if t == IMAGE_TOKEN_ID]
+
+
 def step(vlm, args, all_logits=False):
     ids, slots, feats = zip(*args, strict=True)
+    # Placeholders of sequences without features (decode steps) are text, as HF embeds them.
+    padded = [seq if f is not None else [-1] * len(seq) for seq, f in zip(ids, feats, strict=True)]
+    rows = image_rows(padded) if any(f is not None for f in feats) else None
+    mm = [f for f in feats if f is not None]
     batch = ForwardBatch.build(
-        ids, slots, mm_features=feats, image_token_id=IMAGE_TOKEN_ID, all_logits=all_logits
+        ids,
+        slots,
+        mm_features=torch.cat(mm) if mm else None,
+        mm_token_indices=rows,
+        all_logits=all_logits,
     )
     return vlm(batch)
 
@@ -220,8 +234,8 @@ def test_image_placeholders_must_match_features(family, model):
         ForwardBatch.build(
             [req.ids],
             [list(range(len(req.ids)))],
-            mm_features=[torch.cat(feats)[:-1]],
-            image_token_id=IMAGE_TOKEN_ID,
+            mm_features=torch.cat(feats)[:-1],
+            mm_token_indices=image_rows([req.ids]),
         )
     with pytest.raises(ImageError):
         image_features_for_chunk(req.ids[1:], 0, 5, IMAGE_TOKEN_ID, feats + feats)
@@ -299,8 +313,8 @@ def test_load_model_round_trip(tmp_path):
     batch = ForwardBatch.build(
         [ids],
         [pool.grow([], len(ids))],
-        mm_features=[torch.cat(feats)],
-        image_token_id=IMAGE_TOKEN_ID,
+        mm_features=torch.cat(feats),
+        mm_token_indices=image_rows([ids]),
         all_logits=True,
     )
     with torch.no_grad():

@@ -70,6 +70,17 @@ def test_pad_ids_are_outside_the_vocabulary_and_replace_each_run() -> None:
     assert placeholder_runs([IMG, IMG], IMG) == [(0, 2)]
 
 
+def test_pad_id_keeps_the_whole_hash() -> None:
+    """Hashes that agree in every bit but the last get different pad ids (issue 11 point 2:
+    a 30-bit pad id let two images share KV); a pad id gives its hash back."""
+    h = hash_image(image((1, 2, 3)))
+    twin = h[:-1] + format(int(h[-1], 16) ^ 1, "x")
+    assert pad_value(h, VOCAB) != pad_value(twin, VOCAB)
+    assert f"{pad_value(h, VOCAB) - VOCAB:064x}" == h
+    with pytest.raises(ImageError):
+        pad_value("not-a-hash", VOCAB)
+
+
 # ---------------------------------------------------------------------- radix tree
 TEXT, TAIL = [5, 6, 7], [8, 9]
 PROMPT = TEXT + [IMG] * 4 + TAIL

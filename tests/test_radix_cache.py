@@ -9,6 +9,9 @@ under test. ``check_invariants()`` runs after every mutation that matters.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from minirad import (
@@ -197,15 +200,6 @@ def test_insert_without_slots_gives_fresh_simulated_slots() -> None:
     cache.check_invariants()
     with pytest.raises(InvalidArgumentError):  # with an allocator the caller owns the slots
         RadixCache(token_to_kv_pool_allocator=TokenToKVPoolAllocator(8)).insert([1])
-
-
-def test_hit_counters_count_tokens() -> None:
-    cache = RadixCache()
-    cache.insert([1, 2, 3])
-    cache.match_prefix([1, 2, 9, 9])
-    cache.match_prefix([5])
-    assert (cache.queries, cache.hits) == (5, 2)
-    assert cache.hit_rate == pytest.approx(2 / 5)
 
 
 def test_reset_frees_every_slot_and_refuses_while_locked() -> None:
@@ -401,6 +395,23 @@ def test_request_helpers_refuse_a_request_without_a_lock() -> None:
     cache.check_invariants()
 
 
+def test_a_request_that_claims_a_tree_slot_as_its_own_changes_nothing() -> None:
+    """Issue 11 point 13: finishing would free the claimed slot (in the partial last page,
+    which is not cached): the allocator refuses it, before the tree changes."""
+    alloc = TokenToKVPoolAllocator(8, page_size=2)
+    cache = RadixCache(2, token_to_kv_pool_allocator=alloc)
+    cache.insert([1, 2], alloc.alloc(2))
+    req = Req("r", [7, 8, 9])
+    cache.match_prefix_for_req(req)
+    req.kv_indices = alloc.alloc(2) + [0]  # slot 0 is the tree's
+    before = snapshot(cache), alloc.available_size()
+    for finish in (cache.cache_finished_req, cache.cache_unfinished_req):
+        with pytest.raises(InvalidKeyError):
+            finish(req)
+        assert (snapshot(cache), alloc.available_size()) == before
+    cache.check_invariants()
+
+
 # ---------------------------------------------------------------------- bad input
 def _populated() -> tuple[RadixCache, TokenToKVPoolAllocator]:
     alloc = TokenToKVPoolAllocator(8)
@@ -424,6 +435,8 @@ BAD_CALLS = {
     "slot twice in one value": (InvalidKeyError, lambda c, a: c.insert([5, 6], [6, 6])),
     "free an unknown slot": (UnknownBlockError, lambda c, a: a.free([7])),
     "free an out-of-range slot": (UnknownBlockError, lambda c, a: a.free([8])),
+    "free a slot the tree owns": (InvalidKeyError, lambda c, a: a.free([2])),
+    "free a tree slot with a free one": (InvalidKeyError, lambda c, a: a.free([3, 0])),
     "allocate past capacity": (OutOfMemoryError, lambda c, a: a.alloc(5)),
     "evict(-1)": (InvalidArgumentError, lambda c, a: c.evict(-1)),
     "evict a float": (InvalidArgumentError, lambda c, a: c.evict(1.5)),
@@ -511,3 +524,14 @@ def test_format_tree_and_to_dot_show_every_node() -> None:
     assert "lock_ref=1 [1, 2]" in text
     dot = cache.to_dot().source
     assert dot.count("->") == 3
+
+
+def test_the_cache_imports_without_graphviz() -> None:
+    """Drawing is not part of the cache: graphviz loads only when ``to_dot`` runs."""
+    code = (
+        "import sys; from minirad.radix_cache import RadixCache; c = RadixCache(); "
+        "c.insert([1]); print('graphviz' in sys.modules); c.to_dot(); "
+        "print('graphviz' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]

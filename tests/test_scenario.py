@@ -5,7 +5,10 @@ Two independent sources of truth are checked after each of the nine steps:
 - the expectations written in the scenario file (tree shape as segment labels, and the nodes
   added / accessed / evicted / split), written by hand from the paper's figure;
 - ``REFERENCE`` below: the reference table of ``shared/reference/sglang-figure3.md`` in the
-  figure's own letters and counts, mapped to our nodes through the file's ``letters``.
+  figure's own letters and counts, mapped to our nodes through ``FIGURE_LETTERS``.
+
+The figure renames its nodes in every panel; ours keep one letter each, and the letters the
+file's captions name are checked against the replay's.
 
 The tree that the replay rebuilds from events is also compared with the real cache's tree,
 and every node's decoded text with the text of the segments its label names.
@@ -19,15 +22,9 @@ import pytest
 
 from minirad import RadixCache
 from minirad.errors import InvalidArgumentError
+from minirad.event_tree import EventTree
 from minirad.events import EventBus, EventRecorder, event_from_dict
-from minirad.scenario import (
-    DEFAULT_SCENARIO,
-    LABEL_SEP,
-    EventTree,
-    ScenarioReplay,
-    draw_step,
-    load_scenario,
-)
+from minirad.scenario import DEFAULT_SCENARIO, LABEL_SEP, ScenarioReplay, draw_step, load_scenario
 
 # The reference table (sglang-figure3.md), step by step: the letters the figure's caption
 # uses for nodes added / accessed / evicted / split / left untouched, and how many nodes
@@ -54,6 +51,22 @@ REFERENCE = {
 }  # fmt: skip
 # Where the reference states an order: step 8 evicts h, then g (which became a leaf).
 REFERENCE_EVICTION_ORDER = {8: ["h", "g"]}
+# The figure's per-panel letters, as the labels of our nodes.
+_S, _HH, _SOLVE = "system + user", "hello + assistant + hi", "user + solve + assistant + sure_solve"
+_WC, _ST = "what_can + assistant + i_can", "user + story + assistant + sure_story"
+_J = "user + solve + assistant + sure_solve + user + how_about + assistant + it_is"
+FIGURE_LETTERS = {
+    1: {},
+    2: {"a": "system + user + hello + assistant + hi"},
+    3: {"b": "system + user + hello + assistant + hi"},
+    4: {"b": _S, "c": _SOLVE, "d": _WC},
+    5: {"c": _SOLVE, "d": _WC},
+    6: {"e": "examples + q_what + a_this"},
+    7: {"e": "examples", "f": _HH, "g": _WC, "h": _ST},
+    8: {"g": _WC, "h": _ST, "i": _J, "j": "q_what + a_this", "k": "q_when + a_when",
+        "l": "q_how + a_how"},
+    9: {"i": _J, "j": "q_what", "k": "q_when + a_when", "l": "q_how + a_how"},
+}  # fmt: skip
 
 
 def real_tree(cache: RadixCache) -> dict[int, tuple[int, tuple[int, ...]]]:
@@ -109,7 +122,7 @@ def test_added_accessed_evicted_split_match_the_file(replayed, n):
 def test_step_matches_the_reference_table(replayed, n):
     result = replayed[0].results[n - 1]
     ref = REFERENCE[n]
-    letters = result.step.letters
+    letters = FIGURE_LETTERS[n]
     ids = {letter: [i for i, lab in result.labels.items() if lab == letters[letter]]
            for letter in letters}  # fmt: skip
     assert all(len(v) == 1 for v in ids.values()), "a letter must name exactly one node"
@@ -124,6 +137,36 @@ def test_step_matches_the_reference_table(replayed, n):
     assert len(result.nodes) - 1 == ref["nodes"]
     if n in REFERENCE_EVICTION_ORDER:
         assert list(result.evicted) == [node[x] for x in REFERENCE_EVICTION_ORDER[n]]
+
+
+@pytest.mark.parametrize("n", STEPS)
+def test_the_captions_letters_name_the_replays_nodes(replayed, n):
+    result = replayed[0].results[n - 1]
+    named = {result.letters[i]: label for i, label in result.labels.items()}
+    assert {x: named[x] for x in result.step.letters} == result.step.letters
+    for x in result.step.letters:
+        assert f" {x}" in result.step.caption, x
+
+
+def test_a_node_keeps_its_letter_in_every_step(replayed):
+    """Chapter 03's panels: the node that is (a) in step 2 is (a) in every later step, and no
+    two nodes ever share a letter."""
+    owner: dict[str, int] = {}
+    for result in replayed[0].results:
+        for i, letter in result.letters.items():
+            assert owner.setdefault(letter, i) == i, (result.step.number, letter)
+        assert len(set(result.letters.values())) == len(result.letters)
+    first = replayed[0].results[1]
+    (node_a,) = first.nodes.keys() - {0}
+    assert all(r.letters[node_a] == "a" for r in replayed[0].results[1:])
+
+
+def test_drawing_shows_each_nodes_letter(replayed):
+    for result in replayed[0].results[2:4]:  # step 3 and step 4, which splits a
+        body = "\n".join(draw_step(result).body)
+        for i, letter in result.letters.items():
+            (line,) = [ln for ln in body.splitlines() if ln.lstrip().startswith(f"{i} [")]
+            assert f'label="({letter}) ' in line
 
 
 @pytest.mark.parametrize("n", STEPS)
@@ -202,7 +245,8 @@ def test_event_tree_follows_a_reset():
     cache.insert([1, 2, 4], [10, 11, 13])
     assert len(view.nodes) == 4
     cache.reset()
-    assert list(view.nodes) == [0] and not view.nodes[0].children
+    assert list(view.nodes) == [0] and len(view.evicted) == 3
+    assert len(view.release()) == 3 and not view.nodes[0].children and not view.evicted
 
 
 def test_drawing_colours_follow_the_events(replayed):

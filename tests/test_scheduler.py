@@ -77,7 +77,7 @@ def reference_outputs(prompts, max_new_tokens=4):
     for r in reqs:
         s.add_request(r)
     run_all(s)
-    return [r.output_token_ids for r in reqs]
+    return [r.output_ids for r in reqs]
 
 
 def shared_prompts(n, prefix_len=20, suffix_len=5, seed=0):
@@ -101,7 +101,7 @@ def test_new_requests_join_running_decodes_in_one_batch():
     ]
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 3
     run_all(s)
-    assert a.status.finish_reason == "length" and len(a.output_token_ids) == 6
+    assert a.status.finish_reason == "length" and len(a.output_ids) == 6
     assert a.stats.decode_tokens == 5 and a.stats.prefill_tokens == 4
     assert_idle(s)
 
@@ -119,7 +119,7 @@ def test_chunked_prefill_respects_the_token_budget():
     outs = run_all(s)
     assert all(o.num_scheduled_tokens <= 8 for o in outs)
     assert any(o.num_prefill_tokens and o.num_decode_tokens for o in outs)  # mixed steps
-    assert [r.output_token_ids for r in reqs] == reference_outputs(prompts, 5)
+    assert [r.output_ids for r in reqs] == reference_outputs(prompts, 5)
     assert_idle(s)
 
 
@@ -134,7 +134,7 @@ def test_full_hit_recomputes_only_the_last_token():
     assert out.scheduled[0].num_tokens == 1 and out.scheduled[0].sample
     assert b.stats.cached_tokens == len(prompt) - 1  # the len - 1 rule
     run_all(s)
-    assert b.output_token_ids == reference_outputs([prompt])[0]
+    assert b.output_ids == reference_outputs([prompt])[0]
     assert_idle(s)
 
 
@@ -154,7 +154,7 @@ def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(threshold):
         assert len(first.scheduled) == 1 and len(first.deferred) == 3
         assert [r.stats.cached_tokens for r in reqs] == [0, 20, 20, 20]
         assert prefill == 25 + 3 * 5
-    assert [r.output_token_ids for r in reqs] == reference_outputs(prompts)
+    assert [r.output_ids for r in reqs] == reference_outputs(prompts)
     assert_idle(s)
 
 
@@ -183,7 +183,7 @@ def test_eviction_comes_before_preemption():
     s.add_request(new)
     run_all(s)
     assert s.num_preemptions == 0
-    assert new.output_token_ids == reference_outputs([new.prompt_token_ids])[0]
+    assert new.output_ids == reference_outputs([new.prompt_token_ids])[0]
     assert_idle(s)
 
 
@@ -205,7 +205,7 @@ def test_preemption_recomputes_with_unchanged_output(page_size, strategy):
             preempted += out.preempted
     assert preempted and s.num_preemptions == len(preempted)
     assert sum(r.stats.num_preemptions for r in reqs) == len(preempted)
-    assert [r.output_token_ids for r in reqs] == reference_outputs(prompts, 12)
+    assert [r.output_ids for r in reqs] == reference_outputs(prompts, 12)
     for r in reqs:  # recompute work: prefill covers the prompt and the re-fed outputs
         assert r.stats.prefill_tokens + r.stats.cached_tokens >= r.num_prompt_tokens
     assert_idle(s)
@@ -301,8 +301,8 @@ def test_page_aligned_kv_fills_pages_in_order():
     s.add_request(r)
     while s.has_unfinished_requests():
         run_step(s)
-        if r.req.kv_indices:  # a block table exists for the slots at every step
-            block_table_from_slots(r.req.kv_indices, 4)
+        if r.kv_indices:  # a block table exists for the slots at every step
+            block_table_from_slots(r.kv_indices, 4)
     assert_idle(s)
 
 
@@ -361,8 +361,8 @@ def test_random_workloads_keep_every_invariant(seed):
             run_step(s)
     ref = reference_outputs([r.prompt_token_ids for r in reqs], max_new_tokens=6)
     for r, out in zip(reqs, ref, strict=True):
-        assert r.output_token_ids == out[: len(r.output_token_ids)]
-        assert len(r.output_token_ids) == r.sampling_params.max_new_tokens
+        assert r.output_ids == out[: len(r.output_ids)]
+        assert len(r.output_ids) == r.sampling_params.max_new_tokens
     assert_idle(s)
 
 

@@ -26,7 +26,7 @@ from minirad.kv_pool import TokenToKVPoolAllocator
 from minirad.multimodal import hash_image
 from minirad.scenario import ScenarioReplay
 from viz import FrameBuilder, RadixView, frames_from_events, image_names
-from viz.frames import StepView
+from viz.frame import StepView
 from viz.sources import scenario_frames
 
 # Pieces of text that name the figure's nodes (unique among siblings).

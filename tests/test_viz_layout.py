@@ -11,20 +11,49 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minirad.event_tree import EventTree
+from minirad.events import EvictEvent, InsertEvent, SplitEvent
 from viz import StableLayout
 from viz.sources import scenario_frames
 
 
-def cells(layout: StableLayout) -> dict[int, tuple[int, int]]:
-    return {n: layout.position(n) for n in layout.col}
+class Tree:
+    """An EventTree fed with events, and its layout updated as FrameBuilder does."""
+
+    def __init__(self) -> None:
+        self.tree = EventTree()
+        self.layout = StableLayout(self.tree)
+
+    def add(self, node: int, parent: int) -> None:
+        self.tree.apply(InsertEvent(0, (parent,), 0, node, parent, (1, 2, 3), (0, 1, 2)))
+        self.layout.add(node)
+
+    def split(self, node: int, new: int) -> None:
+        self.tree.apply(SplitEvent(0, node, new, 1))
+        self.layout.split(node, new)
+
+    def remove(self, node: int) -> None:
+        self.tree.apply(EvictEvent(0, node, 1))
+
+    def release(self) -> list[int]:
+        gone = self.tree.release()
+        self.layout.release(gone)
+        return sorted(gone)
+
+    def children(self, node: int) -> list[int]:
+        return (self.tree.nodes.get(node) or self.tree.evicted[node]).children
 
 
-def subtree(layout: StableLayout, node: int) -> set[int]:
+def cells(t: Tree) -> dict[int, tuple[int, int]]:
+    return {n: t.layout.position(n) for n in t.layout.col}
+
+
+def subtree(t: Tree, node: int) -> set[int]:
     out, stack = set(), [node]
     while stack:
         n = stack.pop()
         out.add(n)
-        stack.extend(layout.children[n])
+        stack.extend(t.children(n))
     return out
 
 
@@ -37,71 +66,71 @@ actions = st.lists(
 @settings(max_examples=150)
 @given(actions=actions)
 def test_random_changes_keep_a_valid_drawing_and_move_only_what_they_must(actions):
-    layout = StableLayout()
+    t = Tree()
     next_id = 1
     for action, pick in actions:
-        live = sorted(n for n in layout.col if n not in layout.ghosts)
-        before = cells(layout)
+        live = sorted(t.tree.nodes)
+        before = cells(t)
         if action == "add":
             parent = live[pick % len(live)]
-            layout.add(next_id, parent)
-            c, d = layout.position(next_id)
+            t.add(next_id, parent)
+            c, d = t.layout.position(next_id)
             assert d == before[parent][1] + 1
-            shifted = {n for n in before if layout.position(n) != before[n]}
+            shifted = {n for n in before if t.layout.position(n) != before[n]}
             # Only a column insertion moves nodes: exactly those at or right of the new
             # column, one column right, same row.
             assert shifted == ({n for n in before if before[n][0] >= c} if shifted else set())
             for n in shifted:
-                assert layout.position(n) == (before[n][0] + 1, before[n][1])
+                assert t.layout.position(n) == (before[n][0] + 1, before[n][1])
             next_id += 1
         elif action == "split" and len(live) > 1:
             node = live[1:][pick % (len(live) - 1)]
-            below = subtree(layout, node) - {node}
-            layout.split(node, next_id)
-            assert layout.position(node) == before[node]
-            assert layout.position(next_id) == (before[node][0], before[node][1] + 1)
-            assert layout.parent[next_id] == node and layout.children[node] == [next_id]
+            below = subtree(t, node) - {node}
+            t.split(node, next_id)
+            assert t.layout.position(node) == before[node]
+            assert t.layout.position(next_id) == (before[node][0], before[node][1] + 1)
+            assert t.tree.nodes[next_id].parent == node and t.children(node) == [next_id]
             for n in before:
                 col, depth = before[n]
-                assert layout.position(n) == ((col, depth + 1) if n in below else (col, depth))
+                assert t.layout.position(n) == ((col, depth + 1) if n in below else (col, depth))
             next_id += 1
         elif action == "remove":
             # Only leaves are evicted: nodes whose children are all ghosts already.
-            leaves = [n for n in live[1:] if all(k in layout.ghosts for k in layout.children[n])]
+            leaves = [n for n in live[1:] if all(k in t.tree.evicted for k in t.children(n))]
             if leaves:
-                layout.remove(leaves[pick % len(leaves)])
-                assert cells(layout) == before  # a ghost stays where it was
+                t.remove(leaves[pick % len(leaves)])
+                assert cells(t) == before  # a ghost stays where it was
         elif action == "release":
-            ghosts = set(layout.ghosts)
-            layout.release_ghosts()
-            assert cells(layout) == {n: p for n, p in before.items() if n not in ghosts}
-        layout.check()
+            ghosts = set(t.tree.evicted)
+            t.release()
+            assert cells(t) == {n: p for n, p in before.items() if n not in ghosts}
+        t.layout.check()
 
 
 def test_first_child_goes_below_later_children_to_the_right():
-    layout = StableLayout()
+    t = Tree()
     for node, parent in [(1, 0), (2, 1), (3, 1), (4, 0), (5, 2)]:
-        layout.add(node, parent)
-    where = [layout.position(n) for n in (1, 2, 3, 4, 5)]
+        t.add(node, parent)
+    where = [t.layout.position(n) for n in (1, 2, 3, 4, 5)]
     assert where == [(0, 1), (0, 2), (1, 2), (2, 1), (0, 3)]
-    layout.add(6, 1)  # column 2 is taken by 4: a column is inserted there, 4 shifts right
-    assert [layout.position(n) for n in (4, 6)] == [(3, 1), (2, 2)]
-    layout.remove(6)
-    layout.release_ghosts()
-    layout.add(7, 1)  # the column freed by 6 is reused: nothing moves
-    assert [layout.position(n) for n in (4, 7)] == [(3, 1), (2, 2)]
-    layout.check()
+    t.add(6, 1)  # column 2 is taken by 4: a column is inserted there, 4 shifts right
+    assert [t.layout.position(n) for n in (4, 6)] == [(3, 1), (2, 2)]
+    t.remove(6)
+    t.release()
+    t.add(7, 1)  # the column freed by 6 is reused: nothing moves
+    assert [t.layout.position(n) for n in (4, 7)] == [(3, 1), (2, 2)]
+    t.layout.check()
 
 
 def test_a_ghost_keeps_its_cell_until_released():
-    layout = StableLayout()
-    layout.add(1, 0)
-    layout.remove(1)
-    layout.add(2, 0)  # the root's column below it is still the ghost's
-    assert layout.position(2) == (1, 1)
-    assert layout.release_ghosts() == [1]
+    t = Tree()
+    t.add(1, 0)
+    t.remove(1)
+    t.add(2, 0)  # the root's column below it is still the ghost's
+    assert t.layout.position(2) == (1, 1)
+    assert t.release() == [1]
     with pytest.raises(KeyError):
-        layout.remove(0)
+        t.add(2, 0)  # already placed
 
 
 # ---------------------------------------------------------------------- Figure 3

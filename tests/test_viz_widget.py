@@ -23,7 +23,7 @@ from minirad.events import EventBus, EventRecorder
 from minirad.kv_pool import TokenToKVPoolAllocator
 from viz import RadixView, frames_from_events, run_engine
 from viz.export import STATIC, html_page
-from viz.frames import frames_to_wire
+from viz.frame import frames_to_wire
 from viz.sources import scenario_frames
 from viz.svg import COL_W, MARGIN, ROW_H
 
@@ -111,6 +111,8 @@ globalThis.document = {
   createElementNS: (_ns, t) => new El(t),
   getElementById: (id) => byId[id],
 };
+// No layout here: the output area's width is never reported, so the drawing keeps scale 1.
+globalThis.ResizeObserver = class { observe() {} disconnect() {} };
 const all = (root, cls, out = []) => {
   for (const c of root.children) { if (c.classList.contains(cls)) out.push(c); all(c, cls, out); }
   return out;
@@ -356,7 +358,7 @@ def test_html_export_is_standalone(page, steps):
 
 
 def test_html_data_cannot_close_its_script_tag():
-    from viz.frames import Frame, NodeView, PoolView
+    from viz.frame import Frame, NodeView, PoolView
 
     root = NodeView(0, None, 0, 0, 0, 0, 0, "idle", None)
     frame = Frame(0, 0, "</script><!--", "cap", (), (root,), PoolView(0, 1, ()))

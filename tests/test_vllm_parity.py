@@ -4,7 +4,7 @@
   engine bench's workloads and on the chapters' requests (data/requests/questions.jsonl and
   the requests that notebooks 05, 06 and 07 send to an engine, rebuilt here as their cells
   build them).
-- Cached tokens: our vLLM-style :class:`~minirad.block_pool.KVCacheManager` at vLLM's block
+- Cached tokens: our vLLM-style :class:`~minirad.kv_cache_manager.KVCacheManager` at vLLM's block
   size (32 here), with a pool of as many usable blocks as the real vLLM's, fed the prompt and
   output token ids vLLM reports and the images as extra keys, finds the same prefix hits as
   vLLM's ``num_cached_tokens``, request by request, with evictions. The requests are sent one
@@ -29,10 +29,10 @@ from PIL import Image
 
 from minirad.bench.engine import Workload, default_workloads, run_minirad
 from minirad.bench.peer import VLLMPeer
-from minirad.block_pool import KVCacheManager, serve_one_at_a_time
 from minirad.cli import chat_prompt, load_requests
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.errors import PeerError
+from minirad.kv_cache_manager import KVCacheManager, serve_one_at_a_time
 from minirad.models import DEFAULT_MODEL_DIR, load_model
 from minirad.multimodal import MultiModalItem, hash_image, placeholder_runs
 from minirad.scenes import CAPTION_PROMPT, SYSTEM_PROMPTS
@@ -75,7 +75,7 @@ def chapter_requests(processor) -> list[Ask]:
     """Every request the chapters send to an engine, once each, in chapter order."""
     asks = [
         Ask(chat_prompt(processor, prompt, len(paths)), Path(paths[0]).name, params.max_new_tokens)
-        for prompt, paths, params in load_requests(REPO_ROOT / "data/requests/questions.jsonl")
+        for _, prompt, paths, params in load_requests(REPO_ROOT / "data/requests/questions.jsonl")
     ]
     # 05_vlm_image_forks: section 2 (no system turn), the workload of section 3 and the
     # two questions of section 4, behind the chapter's own system prompt.

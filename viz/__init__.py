@@ -4,7 +4,8 @@ Its one contract: frames are computed from ``minirad.events`` only (live from an
 or replayed from a JSONL log), never by reading a cache's internals, and ``minirad`` never
 imports ``viz``.
 
-- :mod:`viz.frames`: events -> :class:`Frame` objects (nodes, states, locks, KV pool, caption).
+- :mod:`viz.frame`: what a :class:`Frame` holds (nodes, states, locks, KV pool, caption).
+- :mod:`viz.frame_builder`: events -> frames (:class:`FrameBuilder`).
 - :mod:`viz.layout`: the deterministic layout that keeps untouched nodes in place.
 - :mod:`viz.svg`: a static SVG of one frame (the fallback shown without a kernel).
 - :mod:`viz.widget`: :class:`RadixView`, the anywidget player (JS/CSS in ``viz/static``).
@@ -21,7 +22,8 @@ Example::
     view = viz.RadixView().attach(engine)         # live: a frame per event
 """
 
-from .frames import Frame, FrameBuilder, NodeView, frames_from_events, image_names
+from .frame import Frame, NodeView
+from .frame_builder import FrameBuilder, frames_from_events, image_names
 from .layout import StableLayout
 from .svg import frame_svg
 from .watch import BlockCacheView, replay_recording, watch

@@ -4,10 +4,11 @@
    requests) runs through a real :class:`~minirad.radix_cache.RadixCache` and
    :class:`~minirad.kv_pool.TokenToKVPoolAllocator`, each request as the scheduler does it
    (match and lock the prefix, evict when the pool is short, allocate, insert when finished;
-   see :mod:`minirad.bench.radix`), with a :class:`~viz.frames.FrameBuilder` subscribed to the
-   cache's bus taking one frame per event, as a live :class:`~viz.widget.RadixView` does. It
+   see :mod:`minirad.bench.radix`), with a :class:`~viz.frame_builder.FrameBuilder`
+   subscribed to the cache's bus taking one frame per event, as a live
+   :class:`~viz.widget.RadixView` does. It
    prints the time per event spent building frames (apply + snapshot) and turning them into
-   the JSON the browser gets (:meth:`~viz.frames.Frame.to_dict`, memoized as in live mode).
+   the JSON the browser gets (:meth:`~viz.frame.Frame.to_dict`, memoized as in live mode).
    Aim: < 5 ms per event.
 2. **Browser** (``--browser``): the frames around the largest tree are exported as a
    standalone page (:func:`viz.export.write_html`) and opened in Debian's chromium (headless,
@@ -45,7 +46,8 @@ from minirad.kv_pool import TokenToKVPoolAllocator
 from minirad.radix_cache import RadixCache, Req
 
 from .export import write_html
-from .frames import Frame, FrameBuilder
+from .frame import Frame
+from .frame_builder import FrameBuilder
 
 __all__ = ["PythonResult", "bench_browser", "bench_python", "chromium", "main", "make_trace"]
 

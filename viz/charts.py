@@ -1,4 +1,10 @@
-"""Charts of the course's measurements (matplotlib), so that chapters show ideas, not plotting.
+"""Charts of the course's measurements and KV pools (matplotlib), so that chapters show
+ideas, not plotting.
+
+- :func:`cached_tokens_chart`: cached prompt tokens per request, for several caches.
+- :func:`block_pool_chart`: a paged KV pool, one row per block (chapter 02).
+- :func:`paged_batch_chart`: one paged-attention step, the pool beside the gathered batch
+  (chapter 04).
 
 Example::
 
@@ -11,13 +17,20 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
 
-__all__ = ["cached_tokens_chart"]
+from minirad import slot_mapping
+
+__all__ = ["block_pool_chart", "cached_tokens_chart", "paged_batch_chart"]
 
 _COLOURS = ("#9ecae1", "#3182bd", "#31a354", "#e6550d")
+# One colour per request of a pool chart, in the order the requests are given.
+REQUEST_COLOURS = ("#8ecae6", "#ffb703", "#90be6d", "#f4a3a8", "#cdb4db")
 
 
 def cached_tokens_chart(
@@ -55,4 +68,206 @@ def cached_tokens_chart(
     ax.set_ylim(0, max(prompt_tokens) * 1.3)
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
+    return fig
+
+
+def _request_colours(names: Sequence[str]) -> dict[str, str]:
+    if len(names) > len(REQUEST_COLOURS):
+        raise ValueError(f"at most {len(REQUEST_COLOURS)} requests, got {len(names)}")
+    return dict(zip(names, REQUEST_COLOURS, strict=False))
+
+
+def _block_axes(ax: Axes, num_blocks: int, block_size: int, offset_label: str) -> None:
+    """Rows ``block 0..`` top-down, columns one per slot offset within the block."""
+    ax.set_xlim(0, block_size)
+    ax.set_ylim(num_blocks, 0)
+    ax.set_xticks(
+        [o + 0.5 for o in range(block_size)], [offset_label.format(o) for o in range(block_size)]
+    )
+    ax.set_yticks([b + 0.5 for b in range(num_blocks)], [f"block {b}" for b in range(num_blocks)])
+    ax.tick_params(length=0)
+
+
+def block_pool_chart(
+    num_blocks: int,
+    block_size: int,
+    requests: Mapping[str, tuple[Sequence[int], Sequence[str]]],
+    title: str,
+) -> Figure:
+    """A paged KV pool: one row per block, one cell per slot (its slot id in small print),
+    each request's blocks in its colour with its tokens written in; reserved slots that hold
+    no token yet are hatched, blocks nobody owns say "free".
+
+    Args:
+        num_blocks, block_size: the pool's shape (slot ``s`` is offset ``s % block_size`` of
+            block ``s // block_size``).
+        requests: ``{name: (block_table, tokens as text)}``, at most five; token ``i`` sits in
+            slot ``block_table[i // block_size] * block_size + i % block_size``.
+        title: the picture's title.
+
+    Raises:
+        ValueError: more than five requests.
+    """
+    colours = _request_colours(list(requests))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    owned = {block for table, _ in requests.values() for block in table}
+    for b in range(num_blocks):
+        for o in range(block_size):
+            ax.add_patch(Rectangle((o, b), 1, 1, facecolor="white", edgecolor="0.6"))
+            ax.text(o + 0.06, b + 0.22, b * block_size + o, fontsize=6, color="0.4")
+        if b not in owned:
+            ax.text(block_size / 2, b + 0.6, "free", ha="center", color="0.5", style="italic")
+    for name, (table, tokens) in requests.items():
+        for i, block in enumerate(table):
+            for o in range(block_size):
+                pos = i * block_size + o
+                used = pos < len(tokens)
+                ax.add_patch(
+                    Rectangle(
+                        (o, block),
+                        1,
+                        1,
+                        facecolor=colours[name],
+                        edgecolor="0.6",
+                        alpha=1.0 if used else 0.35,
+                        hatch=None if used else "//",
+                    )
+                )
+                if used:
+                    ax.text(o + 0.5, block + 0.6, tokens[pos].strip(), ha="center", fontsize=8)
+    _block_axes(ax, num_blocks, block_size, "offset {}")
+    ax.set_title(title, fontsize=10)
+    handles = [
+        Patch(facecolor=colours[name], label=f"{name}: block_table {list(table)}")
+        for name, (table, _) in requests.items()
+    ]
+    handles.append(Patch(facecolor="white", hatch="//", label="reserved, no token yet"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def paged_batch_chart(
+    num_blocks: int,
+    block_size: int,
+    block_tables: Mapping[str, Sequence[int]],
+    tokens: Mapping[str, Sequence[str]],
+    query_lens: Mapping[str, int],
+    kv_slots: Any,
+    mask: Any,
+) -> Figure:
+    """One paged-attention step. Left, the pool: each sequence's tokens in its blocks, the
+    slots this step writes (``slot_mapping`` of the last ``query_lens`` tokens) with a thick
+    border. Right, the gathered batch: per sequence its ``kv_slots`` row (the slot read at each
+    context index and the token found there, "pad" past its length), then one row per padded
+    query of ``mask``: coloured where the query may attend, white where masked, hatched for a
+    padded query row.
+
+    Args:
+        num_blocks, block_size: the pool's shape.
+        block_tables: ``{name: block_table}``, at most five sequences, in batch order.
+        tokens: ``{name: the sequence's context tokens as text}`` (its length is the
+            sequence's ``seq_len``).
+        query_lens: ``{name: new tokens this step}``.
+        kv_slots: ``[batch, max_seq_len]`` slot ids (a tensor or an array).
+        mask: ``[batch, 1, max_query_len, max_seq_len]`` booleans, True where attended
+            (``AttentionMetadata.mask``).
+
+    Raises:
+        ValueError: more than five sequences.
+    """
+    names = list(block_tables)
+    colours = _request_colours(names)
+    seq_lens = {n: len(tokens[n]) for n in names}
+    fig, (ax_pool, ax_batch) = plt.subplots(1, 2, figsize=(10, 4.4), width_ratios=[4, 9])
+
+    owner = {b: (n, i) for n, table in block_tables.items() for i, b in enumerate(table)}
+    new = {n: range(seq_lens[n] - query_lens[n], seq_lens[n]) for n in names}
+    written = {s for n in names for s in slot_mapping(block_tables[n], new[n], block_size)}
+    for b in range(num_blocks):
+        for o in range(block_size):
+            slot, fill, label = b * block_size + o, "white", ""
+            if b in owner:
+                name, i = owner[b]
+                pos = i * block_size + o
+                if pos < seq_lens[name]:
+                    fill, label = colours[name], tokens[name][pos]
+            lw = 2.5 if slot in written else 0.8
+            ax_pool.add_patch(
+                Rectangle((o, b), 1, 1, facecolor=fill, edgecolor="0.2" if lw > 1 else "0.6", lw=lw)
+            )
+            ax_pool.text(o + 0.06, b + 0.25, slot, fontsize=6, color="0.4")
+            ax_pool.text(o + 0.5, b + 0.68, label, ha="center", fontsize=7)
+    _block_axes(ax_pool, num_blocks, block_size, "+{}")
+    ax_pool.set_title(f"KV pool (block_size={block_size})", fontsize=10)
+
+    max_seq_len, max_query_len = kv_slots.shape[1], mask.shape[2]
+    slot_token = {
+        slot_mapping(block_tables[n], [p], block_size)[0]: tokens[n][p]
+        for n in names
+        for p in range(seq_lens[n])
+    }
+    row, yticks, ylabels = 0.0, [], []
+    for b, name in enumerate(names):
+        for j in range(max_seq_len):  # the kv_slots row: slot id and the token read from it
+            slot, pad = int(kv_slots[b, j]), j >= seq_lens[name]
+            ax_batch.add_patch(
+                Rectangle(
+                    (j, row),
+                    1,
+                    1,
+                    facecolor="0.85" if pad else colours[name],
+                    edgecolor="0.6",
+                    alpha=1.0 if pad else 0.5,
+                )
+            )
+            ax_batch.text(j + 0.06, row + 0.25, slot, fontsize=6, color="0.3")
+            ax_batch.text(
+                j + 0.5,
+                row + 0.7,
+                slot_token.get(slot, "") if not pad else "pad",
+                ha="center",
+                fontsize=7,
+                style="italic" if pad else "normal",
+            )
+        yticks.append(row + 0.5)
+        ylabels.append(f"{name}: kv_slots (read)")
+        row += 1
+        for i in range(max_query_len):  # the mask rows of this sequence's padded queries
+            real = i < query_lens[name]
+            for j in range(max_seq_len):
+                allowed = bool(mask[b, 0, i, j])
+                colour = (colours[name] if real else "0.85") if allowed else "white"
+                ax_batch.add_patch(
+                    Rectangle(
+                        (j, row),
+                        1,
+                        1,
+                        facecolor=colour,
+                        edgecolor="0.6",
+                        hatch=None if real else "//",
+                    )
+                )
+            pos = seq_lens[name] - query_lens[name] + i
+            yticks.append(row + 0.5)
+            ylabels.append(f"query {tokens[name][pos]!r}" if real else "padded query")
+            row += 1
+        row += 0.4  # a gap between sequences
+    ax_batch.set_xlim(0, max_seq_len)
+    ax_batch.set_ylim(row - 0.4, 0)
+    ax_batch.set_xticks([j + 0.5 for j in range(max_seq_len)], range(max_seq_len))
+    ax_batch.set_yticks(yticks, ylabels, fontsize=8)
+    ax_batch.set_xlabel("context index (key)")
+    ax_batch.tick_params(length=0)
+    ax_batch.set_title(
+        "gathered batch: kv_slots and mask [batch, max_query_len, max_seq_len]", fontsize=10
+    )
+    handles = [Patch(facecolor=colours[n], label=n) for n in names]
+    handles += [
+        Patch(facecolor="white", edgecolor="0.2", lw=2.5, label="written this step"),
+        Patch(facecolor="0.85", label="padding"),
+        Patch(facecolor="white", edgecolor="0.6", label="masked"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=5, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig

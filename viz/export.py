@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 
-from .frames import Frame, frames_to_wire
+from .frame import Frame, frames_to_wire
 
 __all__ = ["STATIC", "html_page", "write_html"]
 

@@ -11,8 +11,12 @@ nothing. Here, instead, each node gets a grid cell ``(column, depth)`` once and 
   right shift by one. That insertion is the only way a node moves sideways.
 - A split (``A`` cut into ``A -> B``) puts the new node ``B`` in ``A``'s column one row down;
   ``B``'s subtree (the old children of ``A``) moves one row down. ``A`` keeps its cell.
-- A removed (evicted) node stays as a *ghost*, in its cell, until :meth:`release_ghosts`, so
-  the frame that evicts it can still draw it where it was. Its column then becomes free.
+- An evicted node stays as a *ghost*, in its cell, until the tree releases it
+  (:meth:`minirad.event_tree.EventTree.release`, then :meth:`StableLayout.release`), so the
+  frame that evicts it can still draw it where it was. Its column then becomes free.
+
+The tree itself (parents, children, ghosts) is the :class:`~minirad.event_tree.EventTree`
+that the caller updates from the cache's events; the layout only adds the cells.
 
 Invariants (checked by :meth:`check` and the tests): no two nodes share a cell; a node's
 column is at most its descendants' columns; sibling subtrees use disjoint column ranges, left
@@ -22,26 +26,31 @@ compacts): those are the slots of evicted nodes, kept so that nothing else has t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from minirad.event_tree import EventNode, EventTree
+
 __all__ = ["StableLayout"]
 
 
 class StableLayout:
-    """Grid cells ``(column, depth)`` for the nodes of a tree that grows, splits and shrinks.
+    """Grid cells ``(column, depth)`` for the nodes of an :class:`EventTree` that grows,
+    splits and shrinks.
 
-    Node ids are ints; the root is ``0`` at cell ``(0, 0)``. Every method runs in time
-    proportional to the nodes it moves (a column insertion touches every node).
+    Call :meth:`add`, :meth:`split` and :meth:`release` right after the tree applied the
+    matching event (or released its ghosts). The root is ``0`` at cell ``(0, 0)``. Every
+    method runs in time proportional to the nodes it moves (a column insertion touches every
+    node).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tree: EventTree) -> None:
+        self.tree = tree
         self.reset()
 
     def reset(self) -> None:
-        """Back to the root alone."""
+        """Back to the root alone (the tree holds only its root)."""
         self.col: dict[int, int] = {0: 0}
         self.depth: dict[int, int] = {0: 0}
-        self.parent: dict[int, int | None] = {0: None}
-        self.children: dict[int, list[int]] = {0: []}
-        self.ghosts: set[int] = set()
         self.moved: set[int] = set()  # nodes placed or moved since the caller last cleared it
         self._used: list[int] = [1]  # nodes (ghosts included) per column
 
@@ -59,36 +68,39 @@ class StableLayout:
     def num_rows(self) -> int:
         return 1 + max(self.depth.values())
 
+    def _node(self, node_id: int) -> EventNode:
+        """A node or a ghost of the tree."""
+        node = self.tree.nodes.get(node_id)
+        return node if node is not None else self.tree.evicted[node_id]
+
     def _rightmost(self, node_id: int) -> int:
         """The rightmost column of the subtree under ``node_id`` (ghosts included): the last
         child's subtree is always the rightmost one."""
-        while self.children[node_id]:
-            node_id = self.children[node_id][-1]
+        while kids := self._node(node_id).children:
+            node_id = kids[-1]
         return self.col[node_id]
 
     # ------------------------------------------------------------------ changes
-    def add(self, node_id: int, parent_id: int) -> None:
-        """Place a new leaf under ``parent_id`` (see the module docstring).
+    def add(self, node_id: int) -> None:
+        """Place a leaf the tree has just inserted (see the module docstring).
 
         Raises:
-            KeyError: ``parent_id`` is unknown, or ``node_id`` is already placed.
+            KeyError: ``node_id`` is not in the tree, or is already placed.
         """
         if node_id in self.col:
             raise KeyError(f"node {node_id} is already in the layout")
-        kids = self.children[parent_id]
-        if not kids:
-            c = self.col[parent_id]
+        parent = self.tree.nodes[node_id].parent
+        kids = self.tree.nodes[parent].children  # node_id is the last one
+        if len(kids) == 1:
+            c = self.col[parent]
         else:
-            c = self._rightmost(parent_id) + 1
+            c = self._rightmost(kids[-2]) + 1
             if c == len(self._used):
                 self._used.append(0)
             elif self._used[c]:
                 self._insert_column(c)
-        kids.append(node_id)
         self.col[node_id] = c
-        self.depth[node_id] = self.depth[parent_id] + 1
-        self.parent[node_id] = parent_id
-        self.children[node_id] = []
+        self.depth[node_id] = self.depth[parent] + 1
         self._used[c] += 1
         self.moved.add(node_id)
 
@@ -100,63 +112,37 @@ class StableLayout:
         self._used.insert(c, 0)
 
     def split(self, node_id: int, new_id: int) -> None:
-        """``node_id``'s edge was cut: ``new_id`` is its only child and takes its children,
-        one row further down (their subtree moves down with them)."""
-        kids = self.children[node_id]
-        for k in kids:
-            self.parent[k] = new_id
-        stack = list(kids)
+        """The tree has just cut ``node_id``'s edge: ``new_id``, its only child now, goes one
+        row down in the same column, and so does the subtree it took over."""
+        stack = list(self._node(new_id).children)
         while stack:
             n = stack.pop()
             self.depth[n] += 1
             self.moved.add(n)
-            stack.extend(self.children[n])
-        self.children[new_id] = kids
-        self.children[node_id] = [new_id]
-        self.parent[new_id] = node_id
+            stack.extend(self._node(n).children)
         self.col[new_id] = self.col[node_id]
         self.depth[new_id] = self.depth[node_id] + 1
         self._used[self.col[new_id]] += 1
-        self.moved.update(kids)
         self.moved.add(new_id)
 
-    def remove(self, node_id: int) -> None:
-        """Turn a node into a ghost; it keeps its cell until :meth:`release_ghosts`.
-
-        Raises:
-            KeyError: unknown node, or the root.
-        """
-        if node_id == 0 or node_id not in self.col:
-            raise KeyError(f"cannot remove node {node_id}")
-        self.ghosts.add(node_id)
-
-    def remove_all(self) -> None:
-        """Every node but the root becomes a ghost (a cache reset)."""
-        self.ghosts.update(n for n in self.col if n != 0)
-
-    def release_ghosts(self) -> list[int]:
-        """Drop every ghost (and free its cell); returns their ids, in id order."""
-        gone = sorted(self.ghosts)
-        for n in gone:
-            p = self.parent.pop(n)
-            if p in self.children:  # the parent may be a ghost dropped just before
-                self.children[p].remove(n)
+    def release(self, node_ids: Iterable[int]) -> None:
+        """Free the cells of the ghosts the tree has just released."""
+        for n in node_ids:
             self._used[self.col.pop(n)] -= 1
-            del self.depth[n], self.children[n]
-        self.ghosts.clear()
+            del self.depth[n]
         while len(self._used) > 1 and not self._used[-1]:
             self._used.pop()
-        return gone
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
         """Raise AssertionError if an invariant of the module docstring does not hold."""
+        assert self.col.keys() == self.tree.nodes.keys() | self.tree.evicted.keys()
         cells = [(self.col[n], self.depth[n]) for n in self.col]
         assert len(set(cells)) == len(cells), "two nodes share a cell"
-        for n, kids in self.children.items():
+        for n in self.col:
             spans = []
-            for k in kids:
-                assert self.parent[k] == n and self.depth[k] == self.depth[n] + 1
+            for k in self._node(n).children:
+                assert self._node(k).parent == n and self.depth[k] == self.depth[n] + 1
                 lo, hi = self._span(k)
                 assert lo >= self.col[n], f"node {k} is left of its parent {n}"
                 spans.append((lo, hi))
@@ -173,5 +159,5 @@ class StableLayout:
         while stack:
             n = stack.pop()
             cols.append(self.col[n])
-            stack.extend(self.children[n])
+            stack.extend(self._node(n).children)
         return min(cols), max(cols)

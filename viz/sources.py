@@ -3,7 +3,7 @@
 Each function here only *subscribes* to a bus and, for the settings a frame needs (the pool's
 size, the tokenizer, the vocabulary size that separates image pad ids from text), reads the
 component's public configuration. The tree itself is always rebuilt from the events
-(:class:`~viz.frames.FrameBuilder`), never read from the cache.
+(:class:`~viz.frame_builder.FrameBuilder`), never read from the cache.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 from minirad.events import EventBus
 from minirad.scenario import ScenarioReplay, load_scenario
 
-from .frames import Frame, FrameBuilder, image_names
+from .frame import Frame
+from .frame_builder import FrameBuilder, image_names
 
 __all__ = ["builder_for", "engine_frames", "engine_image_names", "scenario_frames"]
 
@@ -136,7 +137,7 @@ def engine_frames(engine, requests: Sequence, *, per: str = "step") -> tuple[lis
     The first frame is the empty cache with the requests queued. A step frame's caption
     says what the step computed, then what changed in the tree
     (``"step 3: prefill req-1 (tokens 70-85), decode req-0 | insert: ..."``), and its
-    :attr:`~viz.frames.Frame.step` lists the batch and the running requests.
+    :attr:`~viz.frame.Frame.step` lists the batch and the running requests.
 
     Returns:
         ``(frames, outputs)``: the frames and each request's final

@@ -20,14 +20,17 @@ from xml.sax.saxutils import escape, quoteattr
 
 from minirad.events import plural
 
-from .frames import Frame, NodeView
+from .frame import Frame, NodeView
 
 __all__ = ["COLORS", "frame_svg"]
 
 # Layout geometry, in px (radix_view.js uses the same numbers).
-COL_W, ROW_H = 176, 76
-BOX_W, BOX_H = 156, 40
+COL_W, ROW_H = 148, 64
+BOX_W, BOX_H = 136, 38
 MARGIN = 12
+# JupyterLab's output area is ~968 px wide: a wider drawing is scaled down to this width
+# (the SVG's width attribute; its viewBox keeps the natural size).
+MAX_WIDTH = 960
 CELL, CELL_PITCH, CELLS_PER_ROW = 10, 12, 64
 FONT = "Helvetica, Arial, sans-serif"
 
@@ -66,7 +69,7 @@ def _node(n: NodeView, top: int) -> list[str]:
         return [
             f'<g class="node root" data-id="0"><circle cx="{cx}" cy="{y + BOX_H // 2}" r="16" '
             'fill="#eeeeee" stroke="#777777"/>'
-            f'<text x="{cx}" y="{y + BOX_H // 2 + 4}" text-anchor="middle" font-size="11">'
+            f'<text x="{cx}" y="{y + BOX_H // 2 + 4}" text-anchor="middle" font-size="12">'
             "root</text></g>"
         ]
     fill, stroke = COLORS[n.state]
@@ -94,7 +97,7 @@ def _node(n: NodeView, top: int) -> list[str]:
     if label.images and label.images[0][0] == 0:
         out.append(f'<rect x="{x}" y="{y + 3}" width="4" height="{BOX_H - 6}" fill="{IMAGE}"/>')
     out.append(
-        f'<text x="{x + 8}" y="{y + 15}" font-size="11" font-weight="bold" fill="{ink}">'
+        f'<text x="{x + 8}" y="{y + 15}" font-size="12" font-weight="bold" fill="{ink}">'
         f"{escape(head)}</text>"
     )
     spans = "".join(
@@ -102,7 +105,7 @@ def _node(n: NodeView, top: int) -> list[str]:
         for kind, t in label.parts
     )
     out.append(
-        f'<text x="{x + 8}" y="{y + 32}" font-size="11" fill="{ink}" xml:space="preserve">'
+        f'<text x="{x + 8}" y="{y + 31}" font-size="12" fill="{ink}" xml:space="preserve">'
         f"{spans}</text>"
     )
     if n.lock_ref:
@@ -147,8 +150,8 @@ def _pool(frame: Frame, top: int) -> list[str]:
             i += n
     unit = "slots" if pool.page_size == 1 else f"pages of {pool.page_size} tokens"
     head = (
-        f"KV pool: {pool.num_cells} {unit}: {used['tree']} tree, "
-        f"{used['request']} running requests, {used['free']} free"
+        f"KV pool: {pool.num_cells} {unit}: {used['tree']} in the tree, "
+        f"{used['request']} held by running requests, {used['free']} free"
     )
     return [f'<text x="{MARGIN}" y="{top + 12}" font-size="11">{escape(head)}</text>', *out]
 
@@ -174,6 +177,9 @@ def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110
         frame: the frame to draw.
         heading: the first line (e.g. ``"step 4/9"``); the frame's title is appended.
         caption_width: characters per line of the wrapped caption (at most 4 lines).
+
+    A drawing wider than :data:`MAX_WIDTH` px is shown scaled down to that width, so it fits
+    JupyterLab's output area.
     """
     heading = " · ".join(h for h in (heading, frame.title) if h)
     caption = textwrap.wrap(frame.caption, caption_width) or [""]
@@ -188,8 +194,10 @@ def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110
     legend_y = pool_top + (18 + pool_rows * CELL_PITCH + 10 if frame.pool.num_cells else 0)
     width = max(MARGIN * 2 + cols * COL_W, MARGIN * 2 + CELLS_PER_ROW * CELL_PITCH, 640)
     height = legend_y + 10 + MARGIN
+    shown_w = min(width, MAX_WIDTH)
+    shown_h = -(-height * shown_w // width)
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{shown_w}" height="{shown_h}" '
         f'viewBox="0 0 {width} {height}" font-family="{FONT}" class="radix-view-static">',
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
     ]

@@ -3,7 +3,7 @@
 A vLLM server started with ``--kv-events-config`` publishes every block it caches or drops
 (:mod:`minirad.kv_events`). :func:`watch` subscribes to it and feeds each batch to a
 :class:`~minirad.block_events.BlockHashTree`, which turns blocks into minirad tree events, so
-the same :class:`~viz.frames.FrameBuilder` and player that draw our radix tree draw vLLM's
+the same :class:`~viz.frame_builder.FrameBuilder` and player that draw our radix tree draw vLLM's
 block cache: one node per 32-token block along its hash chain, new blocks green, removed ones
 red, and a fork wherever two chains part, at an image too (its placeholders get the image's
 pad id, from the hash vLLM publishes in ``extra_keys``).
@@ -48,7 +48,7 @@ from minirad.kv_events import (
 from minirad.models import DEFAULT_MODEL_DIR
 from minirad.multimodal import pad_value
 
-from .frames import image_names
+from .frame_builder import image_names
 from .widget import RadixView, thumbnail
 
 __all__ = ["BlockCacheView", "replay_recording", "watch"]

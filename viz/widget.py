@@ -1,6 +1,6 @@
 """RadixView: the animated radix tree and KV pool as a Jupyter widget (anywidget).
 
-Python owns the frames (:mod:`viz.frames`); the browser only plays them. All frames go to the
+Python owns the frames (:mod:`viz.frame_builder`); the browser only plays them. All frames go to the
 front end once, as the synced traits ``_frames`` and ``_labels``; playback (play/pause, step,
 slider, speed) runs in ``viz/static/radix_view.js`` with no kernel round trip, and the
 ``step`` trait follows it so Python (and ``jslink``) can read or set the current frame.
@@ -43,7 +43,8 @@ import traitlets
 from PIL import Image
 
 from .export import STATIC, write_html
-from .frames import Frame, FrameBuilder, frame_labels, frames_from_events, frames_to_wire
+from .frame import Frame, frame_labels, frames_to_wire
+from .frame_builder import FrameBuilder, frames_from_events
 from .sources import builder_for, engine_frames, engine_image_names, scenario_frames
 from .svg import frame_svg
 
@@ -54,7 +55,7 @@ class RadixView(anywidget.AnyWidget):
     """A player for radix-tree frames.
 
     Args:
-        frames: the frames to play (e.g. :func:`viz.frames.frames_from_events`); empty for a
+        frames: the frames to play (e.g. :func:`viz.frame_builder.frames_from_events`); empty for a
             view that :meth:`attach` will fill.
         title: shown above the player in the HTML export.
         thumbnails: ``{image name: PNG data URI}`` for the image spans the frames name
@@ -64,7 +65,7 @@ class RadixView(anywidget.AnyWidget):
             with more nodes are drawn collapsed).
 
     Attributes:
-        frames: the :class:`~viz.frames.Frame` objects, in order (grows in live mode).
+        frames: the :class:`~viz.frame.Frame` objects, in order (grows in live mode).
     """
 
     _esm = STATIC / "radix_view.js"
@@ -107,7 +108,7 @@ class RadixView(anywidget.AnyWidget):
     @classmethod
     def from_events(cls, events: Iterable | str | Path, **builder_kwargs: Any) -> RadixView:
         """A view of a recorded event log (a list of events or an EventRecorder JSONL file);
-        ``builder_kwargs`` as in :class:`~viz.frames.FrameBuilder` (``decode``,
+        ``builder_kwargs`` as in :class:`~viz.frame_builder.FrameBuilder` (``decode``,
         ``pool_size``...)."""
         return cls(frames_from_events(events, **builder_kwargs))
 
@@ -271,7 +272,7 @@ def run_engine(engine, requests: Sequence, *, per: str = "step") -> tuple[RadixV
 def image_thumbnails(engine, images: Iterable, size: int = 48) -> dict[str, str]:
     """``{image name: PNG data URI}``: a picture of at most ``size`` x ``size`` px for each
     image (PIL image or path), under the name the frames give its span (its hash as the
-    engine computes it, :func:`viz.frames.image_names`)."""
+    engine computes it, :func:`viz.frame_builder.image_names`)."""
     thumbs = {}
     for image in images:
         (name,) = engine_image_names(engine, [image]).values()

@@ -87,14 +87,15 @@ class EngineStats:
     """Engine-wide counters (tokens unless named otherwise).
 
     ``prefill_tokens`` and ``decode_tokens`` are what the model computed; ``cached_tokens``
-    what the radix tree saved; ``encoder_calls`` / ``encoder_hits`` vision-tower runs and
-    runs saved by the encoder cache.
+    and ``preempted_cached_tokens`` what the radix tree saved (see ``RequestStats``);
+    ``encoder_calls`` / ``encoder_hits`` vision-tower runs and runs the encoder cache saved.
     """
 
     num_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cached_tokens: int = 0
+    preempted_cached_tokens: int = 0
     num_preemptions: int = 0
     num_finished: int = 0
     encoder_calls: int = 0
@@ -184,7 +185,12 @@ class LLMEngine:
             from ..block_events import RadixBlockEvents
             from ..kv_events import KVEventPublisher
 
-            self.kv_events = RadixBlockEvents(self.bus, block_size=cfg.kv_events_block_size)
+            self.kv_events = RadixBlockEvents(
+                self.bus,
+                block_size=cfg.kv_events_block_size,
+                image_token_id=self.vlm.image_token_id,
+                vocab_size=text_config.vocab_size,
+            )
             self.kv_event_publisher = KVEventPublisher(
                 cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint
             )
@@ -301,9 +307,9 @@ class LLMEngine:
         return [self._make_output(r) for r in advanced]
 
     def _make_output(self, request: Request) -> RequestOutput:
-        new_ids = request.output_token_ids[request.num_sent_tokens :]
-        request.num_sent_tokens = len(request.output_token_ids)
-        text = self._decode(request.output_token_ids)
+        new_ids = request.output_ids[request.num_sent_tokens :]
+        request.num_sent_tokens = len(request.output_ids)
+        text = self._decode(request.output_ids)
         # Hold back a trailing replacement character: the next token may complete the UTF-8
         # sequence it stands for (byte-level BPE), and streamed text must never be taken back.
         if not request.is_finished and text.endswith("\ufffd"):
@@ -314,7 +320,7 @@ class LLMEngine:
         return RequestOutput(
             rid=request.rid,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
+            token_ids=list(request.output_ids),
             text=text,
             new_token_ids=new_ids,
             new_text=new_text,
@@ -375,6 +381,7 @@ class LLMEngine:
         return replace(
             self._stats,
             cached_tokens=self.scheduler.num_cached_tokens,
+            preempted_cached_tokens=self.scheduler.num_preempted_cached_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             encoder_calls=self.encoder_cache.num_encoder_calls,
             encoder_hits=self.encoder_cache.num_hits,

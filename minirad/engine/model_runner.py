@@ -20,7 +20,6 @@ is an ordinary token, as it is in HF's decode steps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
@@ -121,18 +120,18 @@ class ModelRunner:
         for s, spans in zip(out.scheduled, overlaps, strict=True):
             request = s.request
             token_ids.append(request.all_token_ids[s.start : s.end])
-            kv_slots.append(request.req.kv_indices[: s.end])
+            kv_slots.append(request.kv_indices[: s.end])
             for seg, lo, hi in spans:
                 image_feats = features[request.images[seg.image_index].mm_hash]
                 first = seg.row + lo - seg.offset
                 feats.append(image_feats[first : first + hi - lo])
                 rows.extend(range(base + lo - s.start, base + hi - s.start))
             base += s.num_tokens
-        batch = ForwardBatch.build(token_ids, kv_slots, device=self.device)
-        if feats:
-            batch = replace(
-                batch,
-                mm_features=torch.cat(feats).to(self.device),
-                mm_token_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
-            )
+        batch = ForwardBatch.build(
+            token_ids,
+            kv_slots,
+            mm_features=torch.cat(feats) if feats else None,
+            mm_token_indices=rows if feats else None,
+            device=self.device,
+        )
         return self.vlm(batch)

@@ -5,9 +5,10 @@ Three objects, as in vLLM v1 (``vllm/v1/request.py``, ``vllm/outputs.py``) and S
 
 - :class:`GenerateRequest` + :class:`SamplingParams`: the user's input (prompt, images,
   how to sample, when to stop).
-- :class:`Request`: the engine's state of one request while it lives: its token ids, its
-  radix-cache :class:`~minirad.radix_cache.Req` (KV slots, locked prefix), how many tokens
-  have KV (``num_computed_tokens``), its :class:`RequestStatus`.
+- :class:`Request`: the engine's state of one request while it lives, one object as
+  nano-vllm's ``Sequence``: a radix-cache :class:`~minirad.radix_cache.Req` (token ids, KV
+  slots, locked prefix) extended with what the model and the scheduler need (the model's
+  ids, images, sampling, how many tokens have KV, its :class:`RequestStatus`).
 - :class:`RequestOutput`: what the engine returns after each step that produced a token.
 
 Lifecycle::
@@ -147,8 +148,10 @@ class RequestStats:
 
     Attributes:
         prompt_tokens: prompt length, image placeholders included.
-        cached_tokens: tokens whose KV came from the radix tree (summed over admissions: a
-            preempted request that is readmitted matches again).
+        cached_tokens: prompt tokens whose KV came from the radix tree at the first admission
+            (vLLM's ``num_cached_tokens``): the hit rate's numerator, < ``prompt_tokens``.
+        preempted_cached_tokens: tokens found in the tree again at readmissions after a
+            preemption (its own KV, outputs included): recompute saved, not hits (vLLM #25787).
         prefill_tokens: tokens computed in prefill steps (prompt chunks, and the recompute of
             a preempted request). Without preemption, ``cached + prefill == prompt``.
         decode_tokens: tokens computed one at a time after the prompt (decode steps).
@@ -157,24 +160,27 @@ class RequestStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    preempted_cached_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     num_preemptions: int = 0
 
 
-class Request:
-    """The engine's state of one request (vLLM v1 ``Request``, SGLang ``Req``).
+class Request(Req):
+    """The engine's state of one request (vLLM v1 ``Request``, SGLang ``Req``, nano-vllm's
+    ``Sequence``): a :class:`~minirad.radix_cache.Req`, so the radix cache's ``*_for_req``
+    lifecycle takes it directly.
 
     Token ids exist in two forms. ``prompt_token_ids`` are what the model embeds: each image
-    placeholder is ``image_token_id``. ``req.origin_input_ids`` is the radix-cache key: each
+    placeholder is ``image_token_id``. ``origin_input_ids`` is the radix-cache key: each
     placeholder of an image is replaced by that image's pad id (>= vocab size,
     :func:`minirad.multimodal.pad_value`), so different images fork the tree at their first
-    placeholder. Generated ids are shared by both (``req.output_ids``).
+    placeholder. Generated ids are shared by both (``output_ids``).
 
-    KV bookkeeping lives in ``req`` (:class:`~minirad.radix_cache.Req`): ``req.kv_indices``
-    holds one KV slot per token that has (or, once this step's forward runs, will have) its
-    K/V in the pool, so ``num_computed_tokens == len(req.kv_indices)``; the scheduler grows
-    it when it schedules tokens, as vLLM advances ``num_computed_tokens`` at schedule time.
+    ``kv_indices`` holds one KV slot per token that has (or, once this step's forward runs,
+    will have) its K/V in the pool, so ``num_computed_tokens == len(kv_indices)``; the
+    scheduler grows it when it schedules tokens, as vLLM advances ``num_computed_tokens`` at
+    schedule time.
 
     Args:
         rid: request id.
@@ -202,14 +208,13 @@ class Request:
         generator: torch.Generator | None = None,
         return_logits: bool = False,
     ) -> None:
-        self.rid = rid
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.stop_token_ids = frozenset(stop_token_ids)
         key = self.prompt_token_ids if key_ids is None else list(key_ids)
         if len(key) != len(self.prompt_token_ids):
             raise RequestError(f"key has {len(key)} ids for {len(self.prompt_token_ids)} tokens")
-        self.req = Req(rid, key)
+        super().__init__(rid, key)
         self.images = list(images)
         self.segments = list(segments)
         self.generator = generator
@@ -221,13 +226,9 @@ class Request:
 
     # ------------------------------------------------------------------ token views
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.req.output_ids
-
-    @property
     def all_token_ids(self) -> list[int]:
         """Prompt + generated ids, as the model embeds them."""
-        return self.prompt_token_ids + self.req.output_ids
+        return self.prompt_token_ids + self.output_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -236,17 +237,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt + generated tokens so far."""
-        return len(self.prompt_token_ids) + len(self.req.output_ids)
+        return len(self.prompt_token_ids) + len(self.output_ids)
 
     @property
     def num_computed_tokens(self) -> int:
         """Tokens with a KV slot (cached prefix + computed or scheduled this step)."""
-        return len(self.req.kv_indices)
-
-    @property
-    def first_image_offset(self) -> int | None:
-        """Position of the first image placeholder, or None for a text-only prompt."""
-        return self.segments[0].offset if self.segments else None
+        return len(self.kv_indices)
 
     @property
     def is_finished(self) -> bool:
@@ -256,11 +252,11 @@ class Request:
     def append_output_token_id(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token and finish the request if it should stop (vLLM's
         ``check_stop``): a stop token, ``max_new_tokens`` reached, or the context full."""
-        self.req.output_ids.append(token_id)
+        self.output_ids.append(token_id)
         if token_id in self.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif (
-            len(self.req.output_ids) >= self.sampling_params.max_new_tokens
+            len(self.output_ids) >= self.sampling_params.max_new_tokens
             or self.num_tokens >= max_model_len
         ):
             self.status = RequestStatus.FINISHED_LENGTH
@@ -268,7 +264,7 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request(rid={self.rid!r}, status={self.status.value}, prompt={self.num_prompt_tokens}"
-            f", output={len(self.req.output_ids)}, computed={self.num_computed_tokens})"
+            f", output={len(self.output_ids)}, computed={self.num_computed_tokens})"
         )
 
 

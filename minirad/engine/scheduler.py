@@ -167,7 +167,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
         self.num_preemptions = 0
-        self.num_cached_tokens = 0  # tokens admitted requests found in the tree
+        self.num_cached_tokens = 0  # prompt tokens found in the tree, first admissions only
+        self.num_preempted_cached_tokens = 0  # tokens readmitted requests found again
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -222,7 +223,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and tokens, and give them KV slots (module docstring).
 
-        Each scheduled request's ``req.kv_indices`` grows by its new tokens' slots, so its
+        Each scheduled request's ``kv_indices`` grows by its new tokens' slots, so its
         ``num_computed_tokens`` already counts them (vLLM does the same).
         """
         cfg = self.config
@@ -251,7 +252,7 @@ class Scheduler:
                 self._sort_waiting_by_prefix_match()
             while can_admit():
                 request = self.waiting.popleft()
-                self._match_prefix(request)
+                self.tree_cache.match_prefix_for_req(request, self._max_prefix_len(request))
                 if in_batch is not None and self._shares_in_batch(request, in_batch):
                     self._release(request, insert=False)
                     out.deferred.append(request)
@@ -261,8 +262,13 @@ class Scheduler:
                     self._release(request, insert=False)
                     self.waiting.appendleft(request)
                     break  # head-of-line: later requests do not jump a request short of memory
-                request.stats.cached_tokens += request.req.cache_protected_len
-                self.num_cached_tokens += request.req.cache_protected_len
+                found = request.cache_protected_len
+                if request.stats.num_preemptions:  # its own KV again: not hits (vLLM #25787)
+                    request.stats.preempted_cached_tokens += found
+                    self.num_preempted_cached_tokens += found
+                else:  # a first admission: prefix hits (vLLM's num_cached_tokens)
+                    request.stats.cached_tokens = found
+                    self.num_cached_tokens += found
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 self._add_scheduled(out, request, n, in_batch)
@@ -281,7 +287,7 @@ class Scheduler:
             ScheduledRequest(request, start, n, not is_decode, end == request.num_tokens)
         )
         if in_batch is not None and not is_decode:
-            in_batch.insert(request.req.fill_ids[:end])
+            in_batch.insert(request.fill_ids[:end])
 
     def _shares_in_batch(self, request: Request, in_batch: RadixCache) -> bool:
         ahead = len(in_batch.match_prefix(self._prefix_key(request)).indices)
@@ -296,36 +302,28 @@ class Scheduler:
         self.waiting = deque(sorted(self.waiting, key=lambda r: -match_len[r.rid]))
 
     # ------------------------------------------------------------------ prefix and KV
-    def _prefix_key(self, request: Request) -> list[int]:
-        """The part of the request's key that may come from the cache."""
-        fill = request.req.fill_ids
-        cap = len(fill) - 1  # the last token is always computed: its logits are needed
+    def _max_prefix_len(self, request: Request) -> int | None:
+        """The prefix strategy's cap on the tokens that may come from the cache (None: only
+        the last-token rule of ``match_prefix_for_req``)."""
         strategy = self.config.prefix_strategy
         if strategy == "none":
-            cap = 0
-        elif strategy == "truncate" and request.first_image_offset is not None:
-            cap = min(cap, request.first_image_offset)
-        return fill[:cap]
+            return 0
+        if strategy == "truncate" and request.segments:
+            return request.segments[0].offset  # the text before the first image
+        return None
 
-    def _match_prefix(self, request: Request) -> None:
-        """Match and lock the request's cached prefix; its KV slots start as the prefix's."""
-        req = request.req
-        if self.config.prefix_strategy == "radix":
-            self.tree_cache.match_prefix_for_req(req)
-            return
-        # match_prefix_for_req with a shorter cap: the same steps, spelled out.
-        indices, node = self.tree_cache.match_prefix(self._prefix_key(request))
-        self.tree_cache.inc_lock_ref(node)
-        req.prefix_indices = indices
-        req.kv_indices = list(indices)
-        req.last_node = node
-        req.cache_protected_len = len(indices)
+    def _prefix_key(self, request: Request) -> list[int]:
+        """The part of the request's key that may come from the cache."""
+        fill = request.fill_ids
+        cap = len(fill) - 1  # the last token is always computed: its logits are needed
+        max_prefix_len = self._max_prefix_len(request)
+        return fill[: cap if max_prefix_len is None else min(cap, max_prefix_len)]
 
     def _allocate(self, request: Request, n: int) -> bool:
         """Give the request KV slots for its next ``n`` tokens: first the free slots of its
         last (private, partly filled) page, then fresh pages, evicting unlocked tree leaves
         if the allocator is short. Returns False, changing nothing, if that is not enough."""
-        kv = request.req.kv_indices
+        kv = request.kv_indices
         ps = self.page_size
         in_page = min(-len(kv) % ps, n)
         need = n - in_page
@@ -364,21 +362,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request, insert: bool) -> None:
-        """Give up the request's KV and its lock. With ``insert``, its computed tokens go
-        into the tree first (``cache_finished_req``: the tree keeps them, evictable); without
-        (or with the ``"none"`` strategy) its private slots are simply freed."""
-        req = request.req
-        if req.last_node is None:
-            return
-        if insert and self.config.prefix_strategy != "none":
-            self.tree_cache.cache_finished_req(req)
-            return
-        self.allocator.free(req.kv_indices[req.cache_protected_len :])
-        self.tree_cache.dec_lock_ref(req.last_node)
-        req.last_node = None
-        req.kv_indices = []
-        req.prefix_indices = []
-        req.cache_protected_len = 0
+        """Give up the request's KV and its lock (``cache_finished_req``). With ``insert``, its
+        computed tokens go into the tree first (the tree keeps them, evictable); without (or
+        with the ``"none"`` strategy) its private slots are simply freed."""
+        if request.last_node is not None:
+            is_insert = insert and self.config.prefix_strategy != "none"
+            self.tree_cache.cache_finished_req(request, is_insert)
 
     # ------------------------------------------------------------------ after the forward
     def update_from_output(
@@ -410,7 +399,7 @@ class Scheduler:
                 del self.requests[request.rid]
             elif s.is_prefill and self.config.prefix_strategy != "none":
                 # Make the computed prompt (or chunk) matchable now, for requests that share it.
-                self.tree_cache.cache_unfinished_req(request.req)
+                self.tree_cache.cache_unfinished_req(request)
         if any(r.is_finished for r in advanced):
             self.running = [r for r in self.running if not r.is_finished]
         return advanced
@@ -434,22 +423,21 @@ class Scheduler:
         locks: Counter = Counter()
         private: set[int] = set()
         for r in self.running:
-            req = r.req
-            if r.status is not RequestStatus.RUNNING or req.last_node is None:
+            if r.status is not RequestStatus.RUNNING or r.last_node is None:
                 raise InvariantError(f"{r.rid}: in the running queue without a lock")
-            node = req.last_node
+            node = r.last_node
             while node is not root:
                 locks[node] += 1
                 node = node.parent
-            mine = {s // ps for s in req.kv_indices[req.cache_protected_len :]}
-            shared = {s // ps for s in req.kv_indices[: req.cache_protected_len]}
+            mine = {s // ps for s in r.kv_indices[r.cache_protected_len :]}
+            shared = {s // ps for s in r.kv_indices[: r.cache_protected_len]}
             if not shared <= tree_pages:
                 raise InvariantError(f"{r.rid}: its cached prefix is not in the tree")
             if mine & (tree_pages | private):
                 raise InvariantError(f"{r.rid}: a private KV page is also held by another")
             private |= mine
         for r in self.waiting:
-            if r.req.last_node is not None or r.req.kv_indices:
+            if r.last_node is not None or r.kv_indices:
                 raise InvariantError(f"{r.rid}: waiting but holds KV slots or a lock")
         stack = list(root.children.values())
         while stack:

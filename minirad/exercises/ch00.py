@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..radix_cache import RadixCache, Req
 from ..tokenizer import load_tokenizer
-from . import Exercise
+from . import Exercise, is_int, is_int_list, wrong_type
 
 __all__ = ["Q1_SOLUTION", "Q2_SOLUTION", "q1", "q2"]
 
@@ -31,8 +31,8 @@ def _tour_cache() -> tuple[RadixCache, list[int]]:
 
 
 def _check_q1(answer: object) -> str | None:
-    if not isinstance(answer, int) or isinstance(answer, bool):
-        return f"expected a whole number of tokens, got {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (tokens)", answer)
     expected = _tour_cache()[1][1]
     if answer != expected:
         return (
@@ -42,10 +42,8 @@ def _check_q1(answer: object) -> str | None:
 
 
 def _check_q2(answer: object) -> str | None:
-    if not isinstance(answer, list | tuple) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in answer
-    ):
-        return f"expected a list of node ids (ints), got {answer!r}"
+    if not is_int_list(answer):
+        return wrong_type("a list of node ids (ints)", answer)
     cache, _ = _tour_cache()
     _, node = cache.match_prefix(load_tokenizer().encode(_THIRD))
     path = []
@@ -75,13 +73,13 @@ Q2_SOLUTION = (
 
 
 q1 = Exercise(
-    "00.1 tokens reused",
+    "q1 tokens reused",
     _check_q1,
     hint="serve() prints, for each request, how many prompt tokens came from the cache.",
     solution=Q1_SOLUTION,
 )
 q2 = Exercise(
-    "00.2 the matched path",
+    "q2 the matched path",
     _check_q2,
     hint="The third chat shares the system prompt with both chats and 'User: Hello! Assistant:' "
     "with chat-1 only; where does it leave chat-1's edge?",

@@ -14,7 +14,7 @@ Usage in the notebook::
 from __future__ import annotations
 
 from ..radix_cache import RadixCache, TreeNode
-from . import Exercise
+from . import Exercise, is_int, is_int_list, wrong_type
 
 __all__ = [
     "Q1_INSERTS",
@@ -40,12 +40,14 @@ def _fresh_slots(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def _check_int(answer: object, expected: int, unit: str) -> str | None:
-    if isinstance(answer, bool) or not isinstance(answer, int):
-        return f"expected an int (a number of {unit}), got {type(answer).__name__}"
+def _check_int(answer: object, expected: int, unit: str, look: str) -> str | None:
+    """None if ``answer`` is ``expected``; else the reason: the type, or what to ``look`` at
+    (not "too high": a learner would bisect to the number instead of reading the tree)."""
+    if not is_int(answer):
+        return wrong_type(f"one int ({unit})", answer)
     if answer == expected:
         return None
-    return f"{answer} is too {'high' if answer > expected else 'low'}"
+    return f"{answer} is not it: {look}"
 
 
 # q1 -------------------------------------------------------------------------------------------
@@ -62,8 +64,10 @@ def q1_expected() -> int:
 
 
 q1 = Exercise(
-    "01.1 matched length",
-    lambda a: _check_int(a, q1_expected(), "tokens"),
+    "q1 matched length",
+    lambda a: _check_int(
+        a, q1_expected(), "tokens", "count the query's tokens that edges continue, edge by edge"
+    ),
     hint="Walk the query down from the root; stop at the first token that no edge continues with.",
     solution=(
         "4: the query follows the edge [1, 2, 3], enters the edge [4, 5, 6] and leaves it at "
@@ -94,8 +98,10 @@ def q2_expected() -> int:
 
 
 q2 = Exercise(
-    "01.2 node count",
-    lambda a: _check_int(a, q2_expected(), "nodes"),
+    "q2 node count",
+    lambda a: _check_int(
+        a, q2_expected(), "nodes", "draw the tree after every insert; a split adds a node"
+    ),
     hint=(
         "Draw the tree after every insert. An insert that leaves an edge midway splits it "
         "(one more node), then adds a leaf for the rest if any tokens are left."
@@ -129,10 +135,8 @@ def q3_expected() -> list[int]:
 
 
 def _check_q3(answer: object) -> str | None:
-    if not isinstance(answer, list | tuple) or not all(
-        isinstance(s, int) and not isinstance(s, bool) for s in answer
-    ):
-        return "expected a list of slot ids (ints)"
+    if not is_int_list(answer):
+        return wrong_type("a list of slot ids (ints)", answer)
     expected = q3_expected()
     if len(answer) != len(expected):
         return f"{len(answer)} slots, but the query matches {len(expected)} tokens"
@@ -142,7 +146,7 @@ def _check_q3(answer: object) -> str | None:
 
 
 q3 = Exercise(
-    "01.3 slots of a mid-edge match",
+    "q3 slots of a mid-edge match",
     _check_q3,
     hint=(
         "insert() keeps the slots the tree already has for the cached prefix; only the new "
@@ -176,19 +180,19 @@ def q4_expected() -> tuple[int, int]:
 
 def _check_q4(answer: object) -> str | None:
     if not isinstance(answer, tuple | list) or len(answer) != 2:
-        return "expected a pair (cached tokens, matched tokens)"
+        return wrong_type("a pair (cached tokens, matched tokens)", answer)
     cached, matched = q4_expected()
-    problem = _check_int(answer[0], cached, "tokens")
+    problem = _check_int(answer[0], cached, "tokens", "insert keeps whole pages only")
     if problem is not None:
         return f"cached tokens: {problem}"
-    problem = _check_int(answer[1], matched, "tokens")
+    problem = _check_int(answer[1], matched, "tokens", "a match is rounded down to whole pages")
     if problem is not None:
         return f"matched tokens: {problem}"
     return None
 
 
 q4 = Exercise(
-    "01.4 page_size 2",
+    "q4 page_size 2",
     _check_q4,
     hint="Both insert and match_prefix cut keys to whole pages, and a match is rounded down "
     "to a whole page.",
@@ -217,9 +221,26 @@ def q5_expected() -> int:
     return suffix.id
 
 
+def _check_q5(answer: object) -> str | None:
+    expected = q5_expected()
+    cache = RadixCache()
+    for i, key in enumerate(Q5_INSERTS):
+        cache.insert(key, _fresh_slots(100 * i, len(key)))
+    split = cache.match_prefix(Q5_QUERY).last_node
+    if is_int(answer) and answer == split.id != expected:
+        return f"{answer} is the id of the prefix part [1, 2]: which part keeps the old id?"
+    return _check_int(
+        answer,
+        expected,
+        "a node id",
+        "list the nodes in the order they are created (the root is 0, then each insert's new "
+        "node, then the split's new node) and find the one that holds [3, 4]",
+    )
+
+
 q5 = Exercise(
-    "01.5 node id after a split",
-    lambda a: _check_int(a, q5_expected(), "a node id"),
+    "q5 node id after a split",
+    _check_q5,
     hint=(
         "Ids are handed out in creation order, starting with the root at 0. In minirad a "
         "split keeps the old id on the prefix part; the suffix part gets the next free id."

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..block_pool import KVCacheManager
+from ..kv_cache_manager import KVCacheManager
 from ..kv_pool import KVCache, TokenToKVPoolAllocator, slot_mapping
-from . import Exercise
+from . import Exercise, is_int, is_int_list, wrong_type
 
 __all__ = [
     "Q1_CONFIG",
@@ -69,14 +69,6 @@ Q5_LENGTHS = [5, 17, 33, 64]
 Q5_BLOCK_SIZE = 16
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_int_list(x: object) -> bool:
-    return isinstance(x, tuple | list) and all(_is_int(v) for v in x)
-
-
 def _config_bytes_per_token(cfg: dict, heads_key: str = "num_key_value_heads") -> int:
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     kv = KVCache(
@@ -93,8 +85,8 @@ def _config_bytes_per_token(cfg: dict, heads_key: str = "num_key_value_heads") -
 
 def _check_q1(answer: object) -> str | None:
     expected = _config_bytes_per_token(Q1_CONFIG)
-    if not _is_int(answer):
-        return f"give one int (bytes), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (bytes)", answer)
     if answer == expected:
         return None
     if answer == expected // 2:
@@ -108,8 +100,8 @@ def _check_q1(answer: object) -> str | None:
 
 def _check_q2(answer: object) -> str | None:
     expected = slot_mapping(Q2_BLOCK_TABLE, [Q2_POSITION], Q2_BLOCK_SIZE)[0]
-    if not _is_int(answer):
-        return f"give one int (a slot id), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (a slot id)", answer)
     if answer == expected:
         return None
     if answer == Q2_POSITION:
@@ -131,8 +123,8 @@ def _block_hits() -> tuple[int, ...]:
 
 def _check_q3(answer: object) -> str | None:
     expected = _block_hits()
-    if not _is_int_list(answer) or len(answer) != len(expected):
-        return f"give {len(expected)} ints, one per prompt, e.g. (0, 0, 0)"
+    if not is_int_list(answer) or len(answer) != len(expected):
+        return wrong_type(f"{len(expected)} ints, one per prompt, e.g. (0, 0, 0)", answer)
     wrong = [i for i, (a, e) in enumerate(zip(answer, expected, strict=True)) if a != e]
     if not wrong:
         return None
@@ -150,8 +142,8 @@ def _blocks_handed_out() -> list[int]:
 
 def _check_q4(answer: object) -> str | None:
     expected = _blocks_handed_out()
-    if not _is_int_list(answer):
-        return f"give a list of block ids, not {answer!r}"
+    if not is_int_list(answer):
+        return wrong_type("a list of block ids", answer)
     if list(answer) == expected:
         return None
     if sorted(answer) == sorted(expected):
@@ -169,8 +161,8 @@ def _wasted_slots() -> int:
 
 def _check_q5(answer: object) -> str | None:
     expected = _wasted_slots()
-    if not _is_int(answer):
-        return f"give one int (slots), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (slots)", answer)
     if answer == expected:
         return None
     return f"{answer!r} slots is not it; count the empty slots of each request's last block"

@@ -19,7 +19,7 @@ import functools
 
 from ..events import EventRecorder, EvictEvent
 from ..radix_cache import RadixCache
-from . import Exercise
+from . import Exercise, WrongAnswer, is_int, is_int_list, wrong_type
 
 __all__ = [
     "Q1_INSERTS",
@@ -49,25 +49,21 @@ def _cache(inserts: list[list[int]], policy: str = "lru") -> RadixCache:
 
 
 def _int_pair(answer: object, names: tuple[str, str]) -> tuple[int, int]:
-    if not isinstance(answer, tuple | list) or len(answer) != 2:
-        raise TypeError(f"expected a pair ({names[0]}, {names[1]})")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in answer):
-        raise TypeError("both numbers must be ints (tokens, nodes)")
+    if not isinstance(answer, tuple | list) or len(answer) != 2 or not all(map(is_int, answer)):
+        raise WrongAnswer(wrong_type(f"a pair of ints ({names[0]}, {names[1]})", answer))
     return answer[0], answer[1]
 
 
 def _key(key: object) -> list[int]:
     # Token ids are ints: `==` would take 4.0 (or True) for a token id.
-    if not isinstance(key, list | tuple) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in key
-    ):
-        raise TypeError("a key is a list of int token ids, e.g. [1, 2]")
+    if not is_int_list(key):
+        raise WrongAnswer(wrong_type("a key: a list of int token ids, e.g. [1, 2]", key))
     return list(key)
 
 
 def _keys(answer: object) -> list[list[int]]:
     if not isinstance(answer, list | tuple):
-        raise TypeError("expected a list of keys, e.g. [[1, 2], [3]]")
+        raise WrongAnswer(wrong_type("a list of keys, e.g. [[1, 2], [3]]", answer))
     return [_key(k) for k in answer]
 
 
@@ -227,7 +223,7 @@ def q4_expected() -> dict[str, list[int]]:
 
 def _check_q4(answer: object) -> str | None:
     if not isinstance(answer, dict) or set(answer) != set(POLICY_NAMES):
-        return 'expected a dict {"lru": key, "lfu": key, "fifo": key}'
+        return wrong_type('a dict {"lru": key, "lfu": key, "fifo": key}', answer)
     expected = q4_expected()
     wrong = [p for p in POLICY_NAMES if _key(answer[p]) != expected[p]]
     if not wrong:
@@ -264,7 +260,7 @@ def q5_expected() -> list[str]:
 def _check_q5(answer: object) -> str | None:
     expected = q5_expected()
     if not isinstance(answer, str):
-        return 'expected one node label (a string such as "q_when + a_when")'
+        return wrong_type('one node label (a string such as "q_when + a_when")', answer)
     if [answer] == expected:
         return None
     return f"{answer!r} is not it: which leaf is old by insertion but was just used?"

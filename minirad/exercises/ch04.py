@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..block_pool import KVCacheManager
+from ..kv_cache_manager import KVCacheManager
 from ..kv_pool import slot_mapping
 from ..models import ForwardBatch
 from ..paged_attention import AttentionMetadata, paged_attention
-from . import Exercise
+from . import Exercise, WrongAnswer, is_int, is_int_list, wrong_type
 
 __all__ = [
     "Q1_BLOCK_SIZE",
@@ -59,14 +59,6 @@ Q4_NUM_KV_HEADS = 2
 Q5_SEQ_LENS = [5, 40, 7, 12]
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_int_list(x: object) -> bool:
-    return isinstance(x, tuple | list) and all(_is_int(v) for v in x)
-
-
 def _q1_batch() -> ForwardBatch:
     names = list(Q1_BLOCK_TABLES)
     kv_slots = [
@@ -79,8 +71,8 @@ def _q1_batch() -> ForwardBatch:
 def _check_q1(answer: object) -> str | None:
     batch = _q1_batch()
     expected = batch.slot_mapping.tolist()
-    if not _is_int_list(answer):
-        return f"give a list of ints (slots), not {answer!r}"
+    if not is_int_list(answer):
+        return wrong_type("a list of ints (slots)", answer)
     if list(answer) == expected:
         return None
     if list(answer) == batch.positions.tolist():
@@ -112,8 +104,8 @@ def _blocks_used() -> tuple[int, int]:
 
 def _check_q2(answer: object) -> str | None:
     expected = _blocks_used()
-    if not _is_int_list(answer) or len(answer) != 2:
-        return f"give two ints, (after prefill, after {Q2_DECODE_STEPS} decode steps)"
+    if not is_int_list(answer) or len(answer) != 2:
+        return wrong_type(f"two ints (after prefill, after {Q2_DECODE_STEPS} decode steps)", answer)
     if tuple(answer) == expected:
         return None
     if answer[0] == Q2_PROMPT_LEN // Q2_BLOCK_SIZE:
@@ -137,11 +129,12 @@ def _chunk_mask() -> torch.Tensor:
 
 
 def _as_bool_matrix(answer: object) -> torch.Tensor:
-    """``answer`` as a bool tensor; ValueError unless it holds only bools or 0/1 ints."""
+    """``answer`` as a bool tensor; :class:`WrongAnswer` unless it holds only bools or 0/1
+    ints."""
     t = torch.as_tensor(answer)
     if t.dtype != torch.bool:
         if t.dtype.is_floating_point or t.dtype.is_complex or not ((t == 0) | (t == 1)).all():
-            raise ValueError("use True/False (or 1/0) entries")
+            raise WrongAnswer(wrong_type("True/False (or 1/0) entries", answer))
         t = t.bool()
     return t
 
@@ -150,7 +143,9 @@ def _check_q3(answer: object) -> str | None:
     expected = _chunk_mask()
     shape = tuple(expected.shape)
     if answer is None or isinstance(answer, str | bytes):
-        return f"give a {list(shape)} matrix of True/False (a list of lists, or a tensor)"
+        return wrong_type(
+            f"a {list(shape)} matrix of True/False (a list of lists, or a tensor)", answer
+        )
     mask = _as_bool_matrix(answer)
     if tuple(mask.shape) != shape:
         return (
@@ -184,8 +179,10 @@ def _kv_head_of_each_query_head() -> list[int]:
 
 def _check_q4(answer: object) -> str | None:
     expected = _kv_head_of_each_query_head()
-    if not _is_int_list(answer) or len(answer) != len(expected):
-        return f"give {len(expected)} ints, the KV head of query heads 0 .. {len(expected) - 1}"
+    if not is_int_list(answer) or len(answer) != len(expected):
+        return wrong_type(
+            f"{len(expected)} ints, the KV head of query heads 0 .. {len(expected) - 1}", answer
+        )
     if list(answer) == expected:
         return None
     if list(answer) == [h % Q4_NUM_KV_HEADS for h in range(Q4_NUM_HEADS)]:
@@ -200,8 +197,8 @@ def _padding_rows() -> int:
 
 def _check_q5(answer: object) -> str | None:
     expected = _padding_rows()
-    if not _is_int(answer):
-        return f"give one int (gathered rows), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (gathered rows)", answer)
     if answer == expected:
         return None
     if answer == len(Q5_SEQ_LENS) * max(Q5_SEQ_LENS):

@@ -25,7 +25,7 @@ from PIL import Image, ImageOps
 from ..engine import GenerateRequest, LLMEngine, SamplingParams
 from ..models import DEFAULT_MODEL_DIR, load_model
 from ..multimodal import hash_image, pad_value
-from . import Exercise
+from . import Exercise, WrongAnswer, is_int, wrong_type
 
 __all__ = [
     "IMAGE_DIR",
@@ -73,10 +73,6 @@ Q4_IMAGES = ("red_circle_left_of_blue_square.png", "orange_square.png")
 Q4_QUESTIONS = ("How many shapes are there?", "Is there a red circle?", "What shape is it?")
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 # ---------------------------------------------------------------------------------- the model
 @functools.cache
 def _model_and_processor():
@@ -121,38 +117,40 @@ def run_workload(strategy: str, encoder_cache_size: int = 4096) -> tuple[int, in
 
 def _strategy_dict(answer: object) -> dict[str, int]:
     if not isinstance(answer, dict) or set(answer) != set(STRATEGIES):
-        raise TypeError(f"give a dict with the keys {list(STRATEGIES)}")
-    if not all(_is_int(v) for v in answer.values()):
-        raise TypeError("the values must be ints")
+        raise WrongAnswer(wrong_type(f"a dict with the keys {list(STRATEGIES)}", answer))
+    if not all(is_int(v) for v in answer.values()):
+        raise WrongAnswer(wrong_type("a dict whose values are ints", answer))
     return answer
 
 
 # ----------------------------------------------------------------------------------------- q1
 def _check_q1(answer: object) -> str | None:
-    if not _is_int(answer):
-        return f"give one int (a token id), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (a token id)", answer)
     expected = pad_value(Q1_HASH, Q1_VOCAB_SIZE)
     if answer == expected:
         return None
     if answer == expected - Q1_VOCAB_SIZE:
         return "pad ids start at vocab_size, so that they can never equal a real token id"
-    if answer == Q1_VOCAB_SIZE + int(Q1_HASH, 16) % 2**30:
-        return "only the first 16 hex digits (64 bits) of the hash are used"
-    if answer == Q1_VOCAB_SIZE + int(Q1_HASH[:16], 16):
-        return "the hash is taken modulo 2**30 first"
-    return f"{answer} is not it: vocab_size + (the first 16 hex digits as an int) % 2**30"
+    if answer == Q1_VOCAB_SIZE + int(Q1_HASH[:16], 16) % 2**30:
+        return (
+            "that id keeps 30 bits of the hash, as SGLang's pad ids do; pad_value's docstring "
+            "says why minirad keeps more"
+        )
+    return f"{answer} is not it: read pad_value in minirad/multimodal.py (pad_value?? shows it)"
 
 
 Q1_SOLUTION = """\
 from minirad.exercises.ch05 import Q1_HASH, Q1_VOCAB_SIZE
+from minirad.multimodal import pad_value
 
-answer = Q1_VOCAB_SIZE + int(Q1_HASH[:16], 16) % 2**30  # = pad_value(Q1_HASH, Q1_VOCAB_SIZE)"""
+answer = pad_value(Q1_HASH, Q1_VOCAB_SIZE)  # its docstring gives the formula and the why"""
 
 q1 = Exercise(
     "q1 the pad id of an image",
     _check_q1,
-    "Read minirad.multimodal.pad_value: a number at or above vocab_size, from the first 64 bits "
-    "of the hash, in a range of 2**30 ids.",
+    "Read minirad.multimodal.pad_value and its docstring (pad_value?? in a cell): which part "
+    "of the hash does it keep, and where do its ids start?",
     Q1_SOLUTION,
 )
 
@@ -219,7 +217,9 @@ def _check_q2(answer: object) -> str | None:
     if not isinstance(answer, set | frozenset | list | tuple) or not all(
         isinstance(x, str) for x in answer
     ):
-        return 'give a set of variant names, e.g. {"mirrored"}'
+        if isinstance(answer, str):  # one name: a str is also a sequence of strs
+            return wrong_type(f"a set of variant names (for one name: {{{answer!r}}})", answer)
+        return wrong_type('a set of variant names, e.g. {"mirrored"}', answer)
     names = set(answer)
     known = set(q2_images()) - {"original"}
     if unknown := names - known:
@@ -271,8 +271,8 @@ def _q3_expected() -> tuple[int, int]:
 
 
 def _check_q3(answer: object) -> str | None:
-    if not isinstance(answer, tuple | list) or len(answer) != 2 or not all(map(_is_int, answer)):
-        return "give two ints: (tokens reused, image placeholders computed)"
+    if not isinstance(answer, tuple | list) or len(answer) != 2 or not all(map(is_int, answer)):
+        return wrong_type("two ints: (tokens reused, image placeholders computed)", answer)
     reused, computed = answer
     exp_reused, exp_computed = _q3_expected()
     if (reused, computed) == (exp_reused, exp_computed):

@@ -26,7 +26,7 @@ import math
 from ..engine import Request, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
 from ..kv_pool import TokenToKVPoolAllocator
 from ..radix_cache import RadixCache
-from . import Exercise
+from . import Exercise, is_int, wrong_type
 
 __all__ = [
     "FILLER",
@@ -78,10 +78,6 @@ Q4_SUFFIX_LEN = 5
 Q4_THRESHOLD = 16  # in_batch_prefix_threshold
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _scheduler(num_slots: int = 4096, **config) -> Scheduler:
     """A scheduler over a fresh tree and pool of ``num_slots`` token slots (pages of 1)."""
     allocator = TokenToKVPoolAllocator(num_slots)
@@ -125,8 +121,8 @@ def _q1_prefill_steps() -> int:
 
 def _check_q1(answer: object) -> str | None:
     expected = _q1_prefill_steps()
-    if not _is_int(answer):
-        return f"give one int (steps), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (steps)", answer)
     if answer == expected:
         return None
     if answer == math.ceil(Q1_PROMPT_LEN / Q1_BUDGET):
@@ -152,8 +148,8 @@ def _q2_saved() -> tuple[int, int]:
 
 def _check_q2(answer: object) -> str | None:
     fcfs, lpm = _q2_saved()
-    if not _is_int(answer):
-        return f"give one int (prefill tokens), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (prefill tokens)", answer)
     if answer == lpm - fcfs:
         return None
     if answer == lpm:
@@ -180,9 +176,9 @@ def _q3_first_preemption() -> tuple[str, int]:
 def _check_q3(answer: object) -> str | None:
     rid, step = _q3_first_preemption()
     if not isinstance(answer, tuple | list) or len(answer) != 2:
-        return "give a pair (request id, step), e.g. ('A', 2)"
+        return wrong_type("a pair (request id, step), e.g. ('A', 2)", answer)
     who, when = answer
-    if not isinstance(who, str) or not _is_int(when):
+    if not isinstance(who, str) or not is_int(when):
         return "the request id is a str and the step an int"
     if who != rid:
         if who == next(iter(Q3_PROMPTS)):
@@ -220,8 +216,8 @@ def _q4_prefill() -> tuple[int, int]:
 def _check_q4(answer: object) -> str | None:
     expected = _q4_prefill()
     if not isinstance(answer, tuple | list) or len(answer) != 2:
-        return "give a pair of ints: (with sharing on, with it off)"
-    if not all(_is_int(x) for x in answer):
+        return wrong_type("a pair of ints: (with sharing on, with it off)", answer)
+    if not all(is_int(x) for x in answer):
         return "both numbers must be ints (prompt tokens computed)"
     if tuple(answer) == expected:
         return None

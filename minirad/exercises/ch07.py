@@ -23,7 +23,7 @@ from ..events import EvictEvent, LockEvent, SplitEvent, UnlockEvent
 from ..kv_pool import TokenToKVPoolAllocator
 from ..radix_cache import RadixCache
 from ..scenario import ScenarioReplay, StepResult
-from . import Exercise
+from . import Exercise, is_int, wrong_type
 
 __all__ = [
     "Q3_NODES",
@@ -43,10 +43,6 @@ STATES = ("added", "accessed", "split", "evicted", "idle")
 # Q4_PREFIX_LEN tokens and has Q4_PROMPT_LEN tokens in all.
 Q4_PREFIX_LEN = 24
 Q4_PROMPT_LEN = 100
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @functools.cache
@@ -70,8 +66,8 @@ def _locked_at_eviction(step: int) -> int:
 
 def _check_q1(answer: object) -> str | None:
     expected = _locked_at_eviction(5)
-    if not _is_int(answer):
-        return f"give one int (a number of nodes), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (a number of nodes)", answer)
     if answer == expected:
         return None
     if answer == 0:
@@ -89,8 +85,8 @@ def _split_in(step: int) -> tuple[int, int]:
 def _check_q2(answer: object) -> str | None:
     kept, new = _split_in(7)
     if not isinstance(answer, tuple | list) or len(answer) != 2:
-        return "give a pair (id of the prefix part, id of the suffix part)"
-    if not all(_is_int(x) for x in answer):
+        return wrong_type("a pair (id of the prefix part, id of the suffix part)", answer)
+    if not all(is_int(x) for x in answer):
         return "node ids are ints"
     if tuple(answer) == (kept, new):
         return None
@@ -130,7 +126,9 @@ def _q3_states() -> tuple[str, ...]:
 def _check_q3(answer: object) -> str | None:
     expected = _q3_states()
     if not isinstance(answer, tuple | list) or len(answer) != len(Q3_NODES):
-        return f"give {len(Q3_NODES)} states, one per node, in the order of the question"
+        return wrong_type(
+            f"{len(Q3_NODES)} states, one per node, in the order of the question", answer
+        )
     if unknown := [a for a in answer if a not in STATES]:
         return f"unknown states {unknown}; the states are {', '.join(STATES)}"
     wrong = [i for i, (a, e) in enumerate(zip(answer, expected, strict=True)) if a != e]
@@ -163,8 +161,8 @@ def _q4_scheduled() -> tuple[int, int]:
 def _check_q4(answer: object) -> str | None:
     start, n = _q4_scheduled()
     if not isinstance(answer, tuple | list) or len(answer) != 2:
-        return "give a pair (start, num_tokens)"
-    if not all(_is_int(x) for x in answer):
+        return wrong_type("a pair (start, num_tokens)", answer)
+    if not all(is_int(x) for x in answer):
         return "both numbers are ints (token positions, token counts)"
     if tuple(answer) == (start, n):
         return None

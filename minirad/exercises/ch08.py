@@ -2,8 +2,8 @@
 
 The answers are computed here with the real ``minirad`` code on the chapter's recorded vLLM
 session (:func:`minirad.recordings.load`, committed in ``data/recordings/``): vLLM's design
-replayed by :class:`~minirad.block_pool.KVCacheManager` and
-:func:`~minirad.block_pool.serve_one_at_a_time` for q1 to q3, with each image keyed by its
+replayed by :class:`~minirad.kv_cache_manager.KVCacheManager` and
+:func:`~minirad.kv_cache_manager.serve_one_at_a_time` for q1 to q3, with each image keyed by its
 file name as the chapter keys it, and the :class:`~minirad.engine.LLMEngine` on the shipped
 model with a :class:`~minirad.block_events.RadixBlockEvents` publisher for q4 (the model is
 loaded on the first check that needs it). Every ``Qn_SOLUTION`` is runnable code that sets
@@ -27,13 +27,13 @@ from transformers import AutoConfig
 
 from .. import recordings
 from ..block_events import RadixBlockEvents
-from ..block_pool import KVCacheManager, serve_one_at_a_time
 from ..engine import GenerateRequest, LLMEngine, SamplingParams
+from ..kv_cache_manager import KVCacheManager, serve_one_at_a_time
 from ..kv_events import BlockStored
 from ..models import DEFAULT_MODEL_DIR, load_model
 from ..multimodal import MultiModalItem
 from ..vllm_env import VLLM_BLOCK_SIZE
-from . import Exercise
+from . import Exercise, is_int, is_int_list, wrong_type
 
 __all__ = [
     "Q1_BLOCK_SIZE",
@@ -60,14 +60,6 @@ Q3_BLOCK_SIZE = VLLM_BLOCK_SIZE
 # = 160 = 5 blocks: only a count that leaves out the last output token gets it right).
 Q4_OUTPUT_LEN = 62
 Q4_BLOCK_SIZE = VLLM_BLOCK_SIZE
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_int_list(x: object) -> bool:
-    return isinstance(x, tuple | list) and all(_is_int(v) for v in x)
 
 
 @functools.cache
@@ -107,8 +99,8 @@ def _q1_hit() -> int:
 
 
 def _check_q1(answer: object) -> str | None:
-    if not _is_int(answer):
-        return f"give one int (tokens), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (tokens)", answer)
     expected, n, bs = _q1_hit(), Q1_PROMPT_LEN, Q1_BLOCK_SIZE
     if answer == expected:
         return None
@@ -144,8 +136,8 @@ q1 = Exercise(
 # ----------------------------------------------------------------------------------------- q2
 def _check_q2(answer: object) -> str | None:
     expected = list(_session_hits(Q2_BLOCK_SIZE))
-    if not _is_int_list(answer) or len(answer) != len(expected):
-        return f"give {len(expected)} ints, one per request, e.g. (0, 0, 0, 0, 0, 0)"
+    if not is_int_list(answer) or len(answer) != len(expected):
+        return wrong_type(f"{len(expected)} ints, one per request, e.g. (0, 0, 0, 0, 0, 0)", answer)
     got, bs = list(answer), Q2_BLOCK_SIZE
     if got == expected:
         return None
@@ -176,7 +168,7 @@ def _check_q2(answer: object) -> str | None:
 
 Q2_SOLUTION = """\
 from minirad import recordings
-from minirad.block_pool import KVCacheManager, serve_one_at_a_time
+from minirad.kv_cache_manager import KVCacheManager, serve_one_at_a_time
 
 session = recordings.load()
 requests = [out.block_request(3) for out in session.outputs]  # 3: the model's image_token_id
@@ -210,8 +202,8 @@ def _q3_expected() -> frozenset[int]:
 
 def _check_q3(answer: object) -> str | None:
     n = len(_session().outputs)
-    if not isinstance(answer, set | frozenset | list | tuple) or not all(map(_is_int, answer)):
-        return "give a set of request numbers, e.g. {2, 5}"
+    if not isinstance(answer, set | frozenset | list | tuple) or not all(map(is_int, answer)):
+        return wrong_type("a set of request numbers, e.g. {2, 5}", answer)
     got = set(answer)
     if unknown := sorted(got - set(range(1, n + 1))):
         return f"the requests are r1 to r{n}; there is no {unknown[0]}"
@@ -242,7 +234,7 @@ def _check_q3(answer: object) -> str | None:
 
 Q3_SOLUTION = """\
 from minirad import recordings
-from minirad.block_pool import KVCacheManager
+from minirad.kv_cache_manager import KVCacheManager
 
 session = recordings.load()
 manager = KVCacheManager(num_blocks=1, block_size=32)
@@ -284,8 +276,8 @@ def _q4_published() -> tuple[int, int]:
 
 
 def _check_q4(answer: object) -> str | None:
-    if not _is_int(answer):
-        return f"give one int (blocks), not {answer!r}"
+    if not is_int(answer):
+        return wrong_type("one int (blocks)", answer)
     blocks, events = _q4_published()
     if answer == blocks:
         return None

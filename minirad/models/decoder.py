@@ -146,13 +146,14 @@ class PagedDecoder:
         return self.text_model.embed_tokens(input_ids)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step: write every new token's K/V into the cache, return next-token logits.
+        ``embeds`` (``[T, hidden]``, a VLM's, with images) replaces the token lookup.
 
         Returns:
             ``[len(batch.logits_indices), vocab_size]`` logits, in the dtype of the model.
         """
-        x = batch.inputs_embeds if batch.inputs_embeds is not None else self.embed(batch.input_ids)
+        x = self.embed(batch.input_ids) if embeds is None else embeds
         T = x.shape[0]
         cos, sin = self.rope(batch.positions, x.dtype)
         meta = AttentionMetadata.build(

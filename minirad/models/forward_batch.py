@@ -50,10 +50,8 @@ class ForwardBatch:
             logits are computed (vLLM's ``logits_indices``): by default the last token of each
             sequence.
         max_query_len: ``max(query_lens)`` as a Python int.
-        inputs_embeds: optional ``[T, hidden]`` embeddings that replace the token lookup.
         mm_features: optional ``[n, hidden]`` image features that replace the embeddings of
-            the tokens at ``mm_token_indices`` (see
-            :func:`minirad.models.image_features_for_chunk`).
+            the tokens at ``mm_token_indices`` (:meth:`minirad.models.PagedVLM.embed`).
         mm_token_indices: optional ``[n]`` int64, rows of the ``T`` tokens that take
             ``mm_features``, in order.
     """
@@ -66,7 +64,6 @@ class ForwardBatch:
     query_lens: torch.Tensor
     logits_indices: torch.Tensor
     max_query_len: int
-    inputs_embeds: torch.Tensor | None = None
     mm_features: torch.Tensor | None = None
     mm_token_indices: torch.Tensor | None = None
 
@@ -84,8 +81,8 @@ class ForwardBatch:
         token_ids: Sequence[Sequence[int]],
         kv_slots: Sequence[Sequence[int]],
         *,
-        mm_features: Sequence[torch.Tensor | None] | None = None,
-        image_token_id: int | None = None,
+        mm_features: torch.Tensor | None = None,
+        mm_token_indices: Sequence[int] | None = None,
         all_logits: bool = False,
         device: str | torch.device = "cpu",
     ) -> ForwardBatch:
@@ -96,20 +93,20 @@ class ForwardBatch:
             kv_slots: per sequence, the slots of all its context tokens, prefix then new
                 (``len(kv_slots[b]) >= len(token_ids[b])``; the last ``len(token_ids[b])``
                 slots receive the new K/V).
-            mm_features: per sequence, the features of the image placeholders among its
-                ``token_ids`` (``[n_b, hidden]``, in order), or None. A sequence with None
-                embeds any ``image_token_id`` among its tokens as an ordinary token (as HF
-                does for a generated one).
-            image_token_id: the placeholder id; required with ``mm_features``.
+            mm_features: ``[n, hidden]`` image features for this step's placeholders, e.g.
+                a chunk's rows from :func:`minirad.models.image_features_for_chunk`.
+            mm_token_indices: the ``n`` rows of the flattened new tokens that take them, in
+                order (row ``r`` of sequence ``b`` is ``sum(len(token_ids[:b])) + r``). Rows,
+                not token values: a generated token equal to the placeholder id is text.
             all_logits: compute logits for every token (parity tests, scoring) instead of the
                 last token of each sequence (sampling).
             device: where the tensors go.
 
         Raises:
             InvalidArgumentError: the lists disagree in length, a sequence has no new token,
-                or its context is shorter than its new tokens; ``mm_features`` without
-                ``image_token_id``.
-            ImageError: a sequence's placeholder count differs from its feature rows.
+                or its context is shorter than its new tokens; only one of ``mm_features``
+                and ``mm_token_indices``, or an index outside the batch.
+            ImageError: the feature rows and the indices differ in number.
         """
         B = len(token_ids)
         if B == 0 or len(kv_slots) != B:
@@ -117,10 +114,8 @@ class ForwardBatch:
                 f"need one kv_slots row per sequence and at least one sequence, "
                 f"got {B} token lists and {len(kv_slots)} kv_slots rows"
             )
-        if mm_features is not None and len(mm_features) != B:
-            raise InvalidArgumentError(f"mm_features has {len(mm_features)} entries for {B} seqs")
-        if mm_features is not None and image_token_id is None:
-            raise InvalidArgumentError("mm_features needs image_token_id")
+        if (mm_features is None) != (mm_token_indices is None):
+            raise InvalidArgumentError("give mm_features and mm_token_indices together")
         query_lens = [len(t) for t in token_ids]
         seq_lens = [len(s) for s in kv_slots]
         for b, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
@@ -130,19 +125,8 @@ class ForwardBatch:
                 )
         max_seq_len = max(seq_lens)
         ids, positions, slots, logits_indices = [], [], [], []
-        feats, mm_indices = [], []
         for b in range(B):
             q, s = query_lens[b], seq_lens[b]
-            f = None if mm_features is None else mm_features[b]
-            if f is not None:
-                rows = [len(ids) + i for i, t in enumerate(token_ids[b]) if t == image_token_id]
-                if len(rows) != f.shape[0]:
-                    raise ImageError(
-                        f"sequence {b}: {len(rows)} image placeholders but {f.shape[0]} "
-                        f"feature rows"
-                    )
-                feats.append(f)
-                mm_indices.extend(rows)
             ids.extend(token_ids[b])
             positions.extend(range(s - q, s))
             slots.extend(kv_slots[b][s - q :])
@@ -155,8 +139,16 @@ class ForwardBatch:
         for b, row in enumerate(kv_slots):
             padded[b, : len(row)] = row
 
-        def t(x: list[int]) -> torch.Tensor:
+        def t(x: Sequence[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
+
+        if mm_features is not None:
+            if len(mm_token_indices) != mm_features.shape[0]:
+                raise ImageError(
+                    f"{len(mm_token_indices)} image rows but {mm_features.shape[0]} feature rows"
+                )
+            if not all(0 <= r < len(ids) for r in mm_token_indices):
+                raise InvalidArgumentError(f"mm_token_indices must be in 0..{len(ids) - 1}")
 
         return cls(
             input_ids=t(ids),
@@ -167,6 +159,6 @@ class ForwardBatch:
             query_lens=t(query_lens),
             logits_indices=t(logits_indices),
             max_query_len=max(query_lens),
-            mm_features=torch.cat(feats).to(device) if feats else None,
-            mm_token_indices=t(mm_indices) if feats else None,
+            mm_features=None if mm_features is None else mm_features.to(device),
+            mm_token_indices=None if mm_token_indices is None else t(mm_token_indices),
         )

@@ -13,7 +13,6 @@ prefix that ends inside an image), so a chunk gets only its own slice of the fea
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -111,8 +110,6 @@ class PagedVLM:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see :meth:`PagedDecoder.forward`): ``[num_logits, vocab]``."""
-        if batch.inputs_embeds is None and batch.mm_features is not None:
-            batch = replace(batch, inputs_embeds=self.embed(batch))
-        return self.decoder.forward(batch)
+        return self.decoder.forward(batch, self.embed(batch))
 
     __call__ = forward

@@ -20,10 +20,12 @@
 // Live mode: Python sends {kind: "append", ...} messages with the frames computed since.
 
 const NS = "http://www.w3.org/2000/svg";
-const COL_W = 176, ROW_H = 76, BOX_W = 156, BOX_H = 40, MARGIN = 12;
+const COL_W = 148, ROW_H = 64, BOX_W = 136, BOX_H = 38, MARGIN = 12;
 const CELL = 10, CELL_PITCH = 12, CELLS_PER_ROW = 64, MAX_POOL_CELLS = 2048;
 const THUMB = 26; // px, the image drawn on an edge that starts with an image
-const FIT_MAX_W = 2400; // px: a wider drawing starts at its natural size (scroll), not fitted
+// Node text is TEXT_PX (radix_view.css); "fit" shrinks the drawing to the width available but
+// never makes that text smaller than MIN_TEXT_PX (a wider tree scrolls sideways instead).
+const TEXT_PX = 12, MIN_TEXT_PX = 11;
 const SPEEDS = [0.5, 1, 2, 4];
 const STATES = ["added", "accessed", "split", "evicted", "idle"];
 const ANIMATED = ["added", "accessed", "evicted", "split"];
@@ -127,7 +129,8 @@ function render({ model, el }) {
   const maxNodes = () => model.get("max_nodes") || 300;
   let index = 0, shown = -1, timer = null, pinned = null;
   let ext = { cols: 1, rows: 1 }, sized = 0; // drawing size: the largest seen so far
-  let fitChosen = false; // the reader set "fit"
+  let cur = { cols: 1, rows: 1 }; // the size of the frame on screen
+  let scale = 1, availW = 0; // screen px per drawing unit; the width the drawing may take
   const cache = new Map(); // index -> unpacked frame (the few most recent)
   const nodes = new Map(); // id -> {g, box, head, text, badge, badgeText, title, fold, ...}
   const edges = new Map(); // child id -> {path, cut, thumb, thumbImg, image}
@@ -199,8 +202,9 @@ function render({ model, el }) {
   }
 
   // ---------------------------------------------------------------- drawing
-  // The drawing keeps one size while it plays (no zooming from frame to frame): the extent
-  // of every frame drawn uncollapsed, and of each collapsed frame once drawn.
+  // The drawing keeps one scale while it plays (no zooming from frame to frame), set by the
+  // extent of every frame drawn uncollapsed, and of each collapsed frame once drawn; the
+  // canvas is only as big as the frame on screen (a small tree leaves no empty space).
   function grow(cols, rows) {
     if (cols <= ext.cols && rows <= ext.rows) return false;
     ext = { cols: Math.max(ext.cols, cols), rows: Math.max(ext.rows, rows) };
@@ -220,15 +224,29 @@ function render({ model, el }) {
       changed = grow(cols, rows) || changed;
     }
     slider.max = Math.max(raw.length - 1, 0);
-    if (!changed) return;
-    const w = 2 * MARGIN + ext.cols * COL_W, h = 2 * MARGIN + (ext.rows - 1) * ROW_H + BOX_H;
-    // Fitted to the page, a very wide tree would be too small to read: unless the reader
-    // chose, it is drawn at its natural size and scrolls.
-    if (!fitChosen) fitBox.checked = w <= FIT_MAX_W;
-    tree.setAttribute("viewBox", `0 0 ${w} ${h}`);
-    tree.style.width = fitBox.checked ? "100%" : `${w}px`;
-    tree.style.maxWidth = `${w}px`;
+    if (changed) place();
   }
+
+  const width = (cols) => 2 * MARGIN + cols * COL_W;
+  const height = (rows) => 2 * MARGIN + (rows - 1) * ROW_H + BOX_H;
+
+  function place() {
+    const fitted = Math.min(1, availW / width(ext.cols));
+    scale = fitBox.checked && availW > 0 ? Math.max(MIN_TEXT_PX / TEXT_PX, fitted) : 1;
+    const w = width(cur.cols), h = height(cur.rows);
+    tree.setAttribute("viewBox", `0 0 ${w} ${h}`);
+    tree.style.width = `${Math.ceil(w * scale)}px`;
+    tree.style.height = `${Math.ceil(h * scale)}px`;
+  }
+
+  // The width the output area gives the drawing is known once the view is on the page, and
+  // changes with the window.
+  const resized = new ResizeObserver(() => {
+    if (treeWrap.clientWidth === availW) return;
+    availW = treeWrap.clientWidth;
+    place();
+  });
+  resized.observe(treeWrap);
 
   // A node: the group `g` is placed (its transform slides), `body` holds what is drawn (it
   // grows in as a whole when the node is new).
@@ -246,7 +264,7 @@ function render({ model, el }) {
     r.box = svgEl("rect", { class: "rv-box", width: BOX_W, height: BOX_H, rx: 6 }, body);
     r.imageBar = svgEl("rect", { class: "rv-image-bar", x: 0, y: 3, width: 4, height: BOX_H - 6 }, body);
     r.head = svgEl("text", { class: "rv-head", x: 8, y: 15 }, body);
-    r.text = svgEl("text", { class: "rv-text", x: 8, y: 32 }, body);
+    r.text = svgEl("text", { class: "rv-text", x: 8, y: 31 }, body);
     r.badge = svgEl("g", { class: "rv-badge", transform: `translate(${BOX_W - 11},11)` }, body);
     svgEl("circle", { r: 9 }, r.badge);
     r.badgeText = svgEl("text", { y: 4, "text-anchor": "middle" }, r.badge);
@@ -307,14 +325,16 @@ function render({ model, el }) {
   function drawTree(f, animate) {
     const view = visibleNodes(f, maxNodes(), pinned, animate ? new Set(nodes.keys()) : new Set());
     const byId = new Map(view.nodes.map((n) => [n.id, n]));
-    for (const n of view.nodes) n.x = view.x.get(n.id);
-    if (view.nodes !== f.nodes) {
-      let cols = 1, rows = 1;
-      for (const n of view.nodes) {
-        cols = Math.max(cols, n.x + 1);
-        rows = Math.max(rows, n.depth + 1);
-      }
-      if (grow(cols, rows)) sizeTree(true);
+    let cols = 1, rows = 1;
+    for (const n of view.nodes) {
+      n.x = view.x.get(n.id);
+      cols = Math.max(cols, n.x + 1);
+      rows = Math.max(rows, n.depth + 1);
+    }
+    const grew = view.nodes !== f.nodes && grow(cols, rows);
+    if (grew || cols !== cur.cols || rows !== cur.rows) {
+      cur = { cols, rows };
+      place();
     }
     for (const n of view.nodes) {
       let r = nodes.get(n.id);
@@ -470,8 +490,9 @@ function render({ model, el }) {
     });
     const unit = f.pool.page_size === 1 ? "slots" : `pages of ${f.pool.page_size} tokens`;
     const per = group > 1 ? ` (a cell per ${group})` : "";
-    poolHead.textContent = `KV pool: ${f.pool.cells} ${unit}${per}: ${used.tree} tree, ` +
-      `${used.request} running requests, ${used.free} free`;
+    // The counts are cells (slots or pages), not requests: say who holds them.
+    poolHead.textContent = `KV pool: ${f.pool.cells} ${unit}${per}: ${used.tree} in the tree, ` +
+      `${used.request} held by running requests, ${used.free} free`;
   }
 
   // Hovered or pinned node: its box and its pool cells light up together.
@@ -576,10 +597,7 @@ function render({ model, el }) {
   backBtn.addEventListener("click", () => { stop(); go(index - 1); });
   fwdBtn.addEventListener("click", () => { stop(); go(index + 1); });
   slider.addEventListener("input", () => { stop(); go(Number(slider.value)); });
-  fitBox.addEventListener("change", () => {
-    fitChosen = true;
-    sizeTree(true);
-  });
+  fitBox.addEventListener("change", place);
 
   const onStep = () => {
     const s = model.get("step");
@@ -625,6 +643,7 @@ function render({ model, el }) {
 
   return () => {
     stop();
+    resized.disconnect();
     model.off("change:step", onStep);
     model.off("change:_frames", reload);
     model.off("change:_images", reload);

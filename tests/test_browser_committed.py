@@ -1,0 +1,193 @@
+"""The committed chapters as a learner first sees them, in real JupyterLab and chromium.
+
+- Opened without running anything, after ``make lab``'s ``jupyter trust``: every committed
+  picture draws (graphviz trees and chapter 07's SVG frames as images, matplotlib PNGs) and
+  every player draws from the widget state saved in the file (``make notebooks`` stores it;
+  anywidget's state carries the player's JavaScript), and it steps with no kernel behind it.
+  Untrusted, JupyterLab shows none of them: SVG and widgets need a trusted notebook.
+- Run, then saved, under ``make lab``'s server config (``tools/jupyter_server_config.py``): the
+  clone stays clean; an edited cell is saved as usual.
+
+The committed notebooks must have been executed by ``make notebooks``. Skipped only when
+chromium or the playwright package is missing; the tooling is in ``tests/browser_tools.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from browser_tools import Console, jupyter_lab, missing, run_all_cells
+
+ROOT = Path(__file__).resolve().parent.parent
+REASON = missing()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+# A chapter of graphviz trees, and the visualizer chapter (SVG frames and four players).
+CHAPTERS = ("notebooks/01_radix_tree.ipynb", "notebooks/07_visualizer.ipynb")
+IMAGE_TYPES = ("image/svg+xml", "image/png")
+WIDGET = "application/vnd.jupyter.widget-view+json"
+# What JupyterLab prints in place of a picture or a player it does not draw.
+NOT_DRAWN = ("object at 0x", "Digraph at 0x", "SVG object>", "Error displaying widget")
+
+
+def expected_outputs(notebook: Path) -> list[dict[str, int]]:
+    """Per code cell of the file: how many image outputs and widget outputs it holds."""
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    counts = []
+    for cell in (c for c in cells if c["cell_type"] == "code"):
+        data = [o.get("data", {}) for o in cell.get("outputs", [])]
+        counts.append(
+            {
+                "images": sum(WIDGET not in d and any(t in d for t in IMAGE_TYPES) for d in data),
+                "widgets": sum(WIDGET in d for d in data),
+            }
+        )
+    return counts
+
+
+# Per code cell of the open notebook: its drawn pictures (<img>, or an inline <svg> that is no
+# part of a player), its players, and its output texts.
+_SHOWN = """
+() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell')]
+  .map((cell) => {
+    const outputs = [...cell.querySelectorAll('.jp-OutputArea-output')];
+    return {
+      images: outputs.filter((o) => !o.querySelector('.radix-view') &&
+        o.querySelector('img, svg')).length,
+      widgets: cell.querySelectorAll('.radix-view .rv-counter').length,
+      text: outputs.map((o) => o.textContent).join('\\n'),
+    };
+  })
+"""
+
+
+def trust(data_dir: Path, notebooks: list[Path]) -> None:
+    """``make lab``'s ``jupyter trust``, with its signatures kept in ``data_dir``."""
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(data_dir))
+    cmd = [sys.executable, "-m", "jupyter", "trust", *map(str, notebooks)]
+    subprocess.run(cmd, check=True, env=env, capture_output=True)
+
+
+def open_unrun(page, lab, notebook: str, root: Path) -> list[dict]:
+    """Open ``notebook`` in a fresh workspace, run nothing, and wait until every code cell and
+    every output the file holds is drawn (or 60 s). Returns :data:`_SHOWN`."""
+    expected = expected_outputs(root / notebook)
+    page.goto(lab.tree(notebook) + "&reset")
+    settled = """(n) => { const cells = document.querySelectorAll(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell');
+      return cells.length === n[0] &&
+        document.querySelectorAll('.jp-NotebookPanel .radix-view .rv-counter').length >= n[1]; }"""
+    total_widgets = sum(c["widgets"] for c in expected)
+    try:
+        page.wait_for_function(
+            settled, arg=[len(expected), total_widgets], timeout=60_000, polling=250
+        )
+    except Exception:  # noqa: BLE001 (the assertions below say what is missing)
+        pass
+    return page.evaluate(_SHOWN)
+
+
+def check_drawn(shown: list[dict], expected: list[dict], notebook: str) -> None:
+    assert len(shown) == len(expected), f"{notebook}: {len(shown)} code cells drawn"
+    for i, (got, want) in enumerate(zip(shown, expected, strict=True)):
+        where = f"{notebook}, code cell {i}"
+        missed = [t for t in NOT_DRAWN if t in got["text"]]
+        assert not missed, f"{where} shows text instead of a picture: {got['text'][:300]}"
+        assert got["images"] >= want["images"], f"{where}: {got['images']} of {want} images"
+        assert got["widgets"] == want["widgets"], f"{where}: {got['widgets']} of {want} players"
+
+
+@pytest.fixture(scope="module")
+def trusted_lab(tmp_path_factory):
+    """JupyterLab over the repository after ``jupyter trust`` on every chapter (its
+    signature database in a temporary Jupyter data folder)."""
+    tmp = tmp_path_factory.mktemp("lab")
+    trust(tmp / "data", sorted((ROOT / "notebooks").glob("*.ipynb")))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_DATA_DIR", str(tmp / "data"))
+        with jupyter_lab(tmp) as lab:
+            yield lab
+
+
+@pytest.fixture
+def page(browser):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    yield page
+    page.close()
+
+
+@pytest.mark.parametrize("notebook", CHAPTERS)
+def test_committed_pictures_and_players_draw_before_running(trusted_lab, page, notebook):
+    console = Console().watch(page)
+    expected = expected_outputs(ROOT / notebook)
+    assert sum(c["images"] + c["widgets"] for c in expected), f"{notebook} has no pictures"
+    check_drawn(open_unrun(page, trusted_lab, notebook, ROOT), expected, notebook)
+    if any(c["widgets"] for c in expected):
+        # A player restored from the file steps through its saved frames.
+        view = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .radix-view").first
+        before = view.locator(".rv-counter").text_content()
+        view.locator(".rv-fwd").click()
+        page.wait_for_function(
+            "([el, text]) => el.textContent !== text",
+            arg=[view.locator(".rv-counter").element_handle(), before],
+            timeout=10_000,
+        )
+    widget_errors = [e for e in console.errors if "widget" in e.lower() or "model" in e.lower()]
+    assert not widget_errors, widget_errors
+
+
+def test_untrusted_chapter_shows_no_pictures(page, tmp_path):
+    """Why ``make lab`` trusts the chapters: without it the same file draws none of them."""
+    notebook = "notebooks/07_visualizer.ipynb"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+        with jupyter_lab(tmp_path) as lab:
+            shown = open_unrun(page, lab, notebook, ROOT)
+    assert not any(c["widgets"] for c in shown)
+    assert any("SVG object>" in c["text"] for c in shown)
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def save(page) -> None:
+    """File > Save, and wait until the notebook is no longer marked dirty."""
+    page.keyboard.press("Control+s")
+    page.wait_for_function(
+        """() => !document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)')
+             ?.closest('.lm-DockPanel')?.querySelector('.lm-TabBar-tab.lm-mod-current.jp-mod-dirty')""",
+        timeout=30_000,
+    )
+    page.wait_for_timeout(500)  # the server has answered the save before the tab updates
+
+
+def test_running_a_chapter_leaves_the_clone_clean(page, tmp_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    notebook = "notebooks/00_tour.ipynb"
+    lab_tmp = tmp_path / "lab"
+    (lab_tmp / "config").mkdir(parents=True)
+    # make lab's server config (as --config; the config folder is the test's own).
+    shutil.copy(ROOT / "tools" / "jupyter_server_config.py", lab_tmp / "config")
+    with jupyter_lab(lab_tmp, root=clone) as lab:
+        run_all_cells(page, lab, notebook, root=clone, timeout=300)
+        save(page)
+        status = git(clone, "status", "--porcelain")
+        assert status == "", f"running {notebook} changed the clone:\n{status}"
+        # An edited cell is the learner's: saved as usual.
+        cell = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell").first
+        cell.locator(".cm-content").click()
+        page.keyboard.press("Control+End")
+        page.keyboard.type("\n# my note")
+        save(page)
+        assert git(clone, "status", "--porcelain").split() == ["M", notebook]
+    assert "# my note" in (clone / notebook).read_text(encoding="utf-8")

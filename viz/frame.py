@@ -1,0 +1,296 @@
+"""What the visualizer draws: one :class:`Frame` per moment of the radix tree and the KV pool.
+
+A frame is plain data, computed from ``minirad`` events by
+:class:`viz.frame_builder.FrameBuilder`: every node (:class:`NodeView`) with its layout cell,
+token count, ``lock_ref``, last access time and its *state* in this frame, the pool
+(:class:`PoolView`), the engine step that ended the frame (:class:`StepView`), and a caption.
+The edges' texts are :class:`Label` objects shared by the frames that show them.
+
+States, as in Figure 3 of the SGLang paper (and :mod:`minirad.scenario`):
+
+- ``added`` (green): a new leaf;
+- ``accessed`` (blue): walked by a match or an insert;
+- ``split``: the lower half of an edge that was cut (the new node id), unless its tokens were
+  already added or accessed within the frame (it keeps that state then); the upper half
+  keeps the old id and is usually ``accessed`` too, since a split happens on a match's path;
+- ``evicted`` (red, dashed): the leaf left the tree. It is drawn in this frame, where it was,
+  and is gone from the next one;
+- ``idle`` (grey): untouched since the previous frame.
+
+The wire format (:func:`frames_to_wire`) is what the widget (``viz/static/radix_view.js``) and
+the HTML export receive: nodes as arrays, labels sent once and referred to by index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from minirad.events import StepEvent
+
+__all__ = [
+    "STATES",
+    "Frame",
+    "Label",
+    "NodeView",
+    "PoolView",
+    "StepView",
+    "frame_labels",
+    "frames_to_wire",
+]
+
+STATES = ("idle", "split", "accessed", "added", "evicted")  # weakest first
+
+
+# ------------------------------------------------------------------ what a frame holds
+@dataclass(frozen=True, slots=True)
+class Label:
+    """What one edge holds, for display. Made once per insert or split and shared by every
+    frame in which the edge is unchanged.
+
+    Attributes:
+        index: unique within a builder; frames refer to labels by it on the wire.
+        parts: the first ``max_chars`` characters as ``(kind, text)`` runs, ``kind`` being
+            ``"text"`` or ``"image"`` (an image chip such as ``"img 3fa2c1 x64"``); line
+            breaks shown as ``⏎``.
+        full: the whole edge as text (images as ``[img 3fa2c1 x64]``), cut at 2000 chars.
+        tokens: the first 16 token ids.
+        images: ``(offset, num_tokens, name)`` of every image span (pad ids) on the edge.
+    """
+
+    index: int
+    parts: tuple[tuple[str, str], ...]
+    full: str
+    tokens: tuple[int, ...]
+    images: tuple[tuple[int, int, str], ...]
+
+    @property
+    def text(self) -> str:
+        """The short text, images included as their chip text."""
+        return "".join(t for _, t in self.parts)
+
+    def to_dict(self) -> dict:
+        return {
+            "parts": [list(p) for p in self.parts],
+            "full": self.full,
+            # Image pad ids carry a whole hash: beyond 2**53 a JSON number loses digits in JS.
+            "tokens": [t if t < 2**53 else f"{t:x}" for t in self.tokens],
+            "images": [list(i) for i in self.images],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """One node in one frame. ``col``/``depth`` are its layout cell; the root has id 0,
+    no parent and no label."""
+
+    id: int
+    parent: int | None
+    col: int
+    depth: int
+    num_tokens: int
+    lock_ref: int
+    last_access: int
+    state: str
+    label: Label | None
+    extra_key: str | None = None
+
+    def to_wire(self) -> tuple:
+        """``(id, parent, col, depth, num_tokens, lock_ref, last_access, state, label index,
+        extra_key)``: an array in JSON, not an object, because a live view sends a whole tree
+        per event (radix_view.js ``unpackNode`` reads it back)."""
+        label = None if self.label is None else self.label.index
+        return (
+            self.id,
+            self.parent,
+            self.col,
+            self.depth,
+            self.num_tokens,
+            self.lock_ref,
+            self.last_access,
+            self.state,
+            label,
+            self.extra_key,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The KV pool in one frame: ``num_cells`` cells (one per page; a page is one slot when
+    ``page_size`` is 1), described as runs ``(first cell, length, owner)``. ``owner`` is a
+    tree node id (int), a running request's id (str), or None (free)."""
+
+    num_cells: int
+    page_size: int
+    runs: tuple[tuple[int, int, int | str | None], ...]
+
+    def owners(self) -> list[int | str | None]:
+        """One owner per cell."""
+        return [o for start, n, o in self.runs for _ in range(n)]
+
+    def to_dict(self) -> dict:
+        return {
+            "cells": self.num_cells,
+            "page_size": self.page_size,
+            "runs": [list(r) for r in self.runs],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StepView:
+    """One engine step, as its :class:`~minirad.events.StepEvent` tells it.
+
+    Attributes:
+        number: 1 for the first step the builder saw, 2 for the next...
+        batch: ``(rid, start, num_tokens, is_prefill)`` per scheduled request, in batch order:
+            the request computed tokens ``start .. start + num_tokens - 1`` of its sequence.
+        preempted: requests that lost their KV in this step (they wait to be recomputed).
+        deferred: requests that waited for a prefix another request of the step computes.
+        finished: requests that ended with this step's token.
+    """
+
+    number: int
+    batch: tuple[tuple[str, int, int, bool], ...]
+    preempted: tuple[str, ...] = ()
+    deferred: tuple[str, ...] = ()
+    finished: tuple[str, ...] = ()
+
+    @classmethod
+    def from_event(cls, number: int, e: StepEvent) -> StepView:
+        batch = zip(e.rids, e.starts, e.num_tokens, e.is_prefill, strict=True)
+        return cls(number, tuple(batch), e.preempted, e.deferred, e.finished)
+
+    @property
+    def running(self) -> tuple[str, ...]:
+        """Requests still running after the step: the batch minus those that finished (the
+        preempted ones were not in the batch)."""
+        done = set(self.finished)
+        return tuple(rid for rid, *_ in self.batch if rid not in done)
+
+    def describe(self) -> str:
+        """``"step 4: prefill r1 (tokens 0-63), decode r0, r3; finished r3"``: prefill chunks
+        first (with the token range they computed), then the decodes, then what ended."""
+        work = []
+        for rid, start, n, prefill in self.batch:
+            if prefill:
+                span = f"token {start}" if n == 1 else f"tokens {start}-{start + n - 1}"
+                work.append(f"prefill {rid} ({span})")
+        decodes = [rid for rid, _, _, prefill in self.batch if not prefill]
+        if decodes:
+            work.append("decode " + ", ".join(decodes))
+        text = f"step {self.number}: " + (", ".join(work) or "nothing computed")
+        for word in ("finished", "preempted", "deferred"):
+            if rids := getattr(self, word):
+                text += f"; {word} {', '.join(rids)}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {
+            "number": self.number,
+            "batch": [list(b) for b in self.batch],
+            "running": list(self.running),
+            "preempted": list(self.preempted),
+            "deferred": list(self.deferred),
+            "finished": list(self.finished),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """The tree and the pool after some events.
+
+    Attributes:
+        index: position in the builder's frame list.
+        time: logical time of the last event (0 before any).
+        title: what the driver called this part of the story (a scenario step...), or None.
+        caption: one line made from the events (their ``describe()``; for an engine step,
+            :meth:`StepView.describe` first).
+        events: ``describe()`` of every event since the previous frame, in order.
+        nodes: the root first, then every node and ghost, in creation order.
+        pool: the KV pool.
+        step: the engine step that ended this frame, or None (no engine, or a frame taken
+            between steps).
+    """
+
+    index: int
+    time: int
+    title: str | None
+    caption: str
+    events: tuple[str, ...]
+    nodes: tuple[NodeView, ...]
+    pool: PoolView
+    step: StepView | None = None
+
+    def node(self, node_id: int) -> NodeView:
+        """The node with this id. Raises KeyError if it is not in the frame."""
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise KeyError(node_id)
+
+    @property
+    def live(self) -> list[NodeView]:
+        """The nodes in the tree after the frame's events (root and ghosts excluded)."""
+        return [n for n in self.nodes if n.id != 0 and n.state != "evicted"]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens cached in the tree."""
+        return sum(n.num_tokens for n in self.live)
+
+    @property
+    def locked(self) -> list[int]:
+        """Ids of the nodes with ``lock_ref > 0`` (the locked paths)."""
+        return [n.id for n in self.live if n.lock_ref]
+
+    def summary(self) -> str:
+        """``"6 nodes, 120 tokens, 2 locked: 'caption'"``."""
+        return (
+            f"{len(self.live)} nodes, {self.num_tokens} tokens, {len(self.locked)} locked: "
+            f"{self.caption!r}"
+        )
+
+    def to_dict(self, memo: dict | None = None) -> dict:
+        """JSON-ready; nodes as :meth:`NodeView.to_wire` lists, labels by index (see
+        :func:`frames_to_wire`); ``step`` is :meth:`StepView.to_dict` or None (the player
+        shows it through the caption). ``memo`` caches the wire form of the node views and
+        pools that frames share."""
+        memo = {} if memo is None else memo
+
+        def wire(obj, convert):
+            hit = memo.get(id(obj))
+            if hit is None:  # the memo keeps obj alive, so its id() is not reused
+                hit = memo[id(obj)] = (obj, convert(obj))
+            return hit[1]
+
+        return {
+            "index": self.index,
+            "time": self.time,
+            "title": self.title,
+            "caption": self.caption,
+            "events": list(self.events),
+            "nodes": [wire(n, NodeView.to_wire) for n in self.nodes],
+            "pool": wire(self.pool, PoolView.to_dict),
+            "step": None if self.step is None else self.step.to_dict(),
+        }
+
+
+def frame_labels(frames: Iterable[Frame]) -> dict[int, Label]:
+    """Every label the frames show, by index."""
+    labels: dict[int, Label] = {}
+    for f in frames:
+        for n in f.nodes:
+            if n.label is not None:
+                labels[n.label.index] = n.label
+    return labels
+
+
+def frames_to_wire(frames: Sequence[Frame], memo: dict | None = None) -> dict:
+    """``{"frames": [...], "labels": [...]}``: what the widget and the HTML export send to the
+    browser. ``labels[i]`` is the :class:`Label` with index ``i``, or None if no frame here
+    shows it (labels are shared between frames, so each is sent once). ``memo``: see
+    :meth:`Frame.to_dict` (a live view passes the same dict for every new frame)."""
+    labels = frame_labels(frames)
+    size = max(labels, default=-1) + 1
+    table = [labels[i].to_dict() if i in labels else None for i in range(size)]
+    return {"frames": [f.to_dict(memo) for f in frames], "labels": table}
