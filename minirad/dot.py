@@ -11,19 +11,21 @@ program (``make lab`` installs it).
 
 Example::
 
-    from minirad.dot import digraph, escape
-    g = digraph("tree", node_attr={"shape": "box"})
-    g.node("0", escape("<image> x64"))
+    from minirad.dot import radix_tree
+    radix_tree(cache, decode=tokenizer.decode)  # a RadixCache, drawn
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import graphviz
 
-__all__ = ["MAX_WIDTH_IN", "digraph", "escape"]
+    from .radix_cache import RadixCache
+
+__all__ = ["MAX_WIDTH_IN", "digraph", "escape", "radix_tree"]
 
 # JupyterLab's output area is ~968 px wide; Graphviz's SVG is in points (1 pt = 4/3 px), so
 # 968 px is 726 pt, 10.08 in. The height bound only stops a pathological drawing.
@@ -63,3 +65,27 @@ def escape(text: str) -> str:
     import graphviz
 
     return graphviz.escape(text)
+
+
+def radix_tree(
+    cache: RadixCache, decode: Callable[[list[int]], str] | None = None, max_label: int = 24
+) -> graphviz.Digraph:
+    """A drawing of a :class:`~minirad.radix_cache.RadixCache`: one box per node (id, tokens,
+    ``lock_ref``; locked nodes shaded), each edge labelled with its key, decoded by ``decode``
+    if given and cut to ``max_label`` characters."""
+    dot = digraph(
+        "radix_tree",
+        graph_attr={"rankdir": "LR"},
+        node_attr={"shape": "box", "fontsize": "10"},
+        edge_attr={"fontsize": "9"},
+    )
+    dot.node("0", "root", shape="circle")
+    for n in cache.nodes():
+        text = decode(n.key) if decode is not None else " ".join(map(str, n.key))
+        if len(text) > max_label:
+            text = text[: max_label - 1] + "…"
+        style = {"style": "filled", "fillcolor": "#cfe2ff"} if n.lock_ref else {}
+        dot.node(str(n.id), f"#{n.id}  {len(n.key)} tok\\nlock_ref={n.lock_ref}", **style)
+        # escape(): decoded text such as "<image>" must not be read as DOT markup.
+        dot.edge(str(n.parent.id), str(n.id), label=escape(text))
+    return dot

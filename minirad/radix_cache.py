@@ -24,9 +24,9 @@ prefixes by how often they were *reused*.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,9 +50,6 @@ from .events import (
 from .eviction import EvictionPolicy, get_policy
 from .kv_pool import TokenToKVPoolAllocator
 from .tokens import as_token_ids
-
-if TYPE_CHECKING:
-    import graphviz
 
 __all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
 
@@ -619,13 +616,13 @@ class RadixCache:
 
     def total_size(self) -> int:
         """All cached tokens, counted by walking the tree."""
-        return sum(len(n.value) for n in self._nodes())
+        return sum(len(n.value) for n in self.nodes())
 
     def all_values_flatten(self) -> list[int]:
         """Every slot the tree owns, in depth-first order."""
-        return [s for n in self._nodes() for s in n.value]
+        return [s for n in self.nodes() for s in n.value]
 
-    def _nodes(self):
+    def nodes(self) -> Iterator[TreeNode]:
         """All nodes except the root, depth-first, children in insertion order."""
         stack = list(reversed(self.root_node.children.values()))
         while stack:
@@ -760,31 +757,6 @@ class RadixCache:
         """Print :meth:`format_tree`."""
         print(self.format_tree(decode))
 
-    def to_dot(
-        self, decode: Callable[[list[int]], str] | None = None, max_label: int = 24
-    ) -> graphviz.Digraph:
-        """A ``graphviz.Digraph`` of the tree: one box per node (id, tokens, lock_ref), the
-        edge label showing the key (decoded if ``decode`` is given). Locked nodes are shaded.
-        Rendering needs Graphviz's ``dot`` program (``make lab`` installs it)."""
-        from .dot import digraph, escape  # drawing is not part of the cache: graphviz on demand
-
-        dot = digraph(
-            "radix_tree",
-            graph_attr={"rankdir": "LR"},
-            node_attr={"shape": "box", "fontsize": "10"},
-            edge_attr={"fontsize": "9"},
-        )
-        dot.node("0", "root", shape="circle")
-        for n in self._nodes():
-            text = decode(n.key) if decode is not None else " ".join(map(str, n.key))
-            if len(text) > max_label:
-                text = text[: max_label - 1] + "…"
-            style = {"style": "filled", "fillcolor": "#cfe2ff"} if n.lock_ref else {}
-            dot.node(str(n.id), f"#{n.id}  {len(n.key)} tok\\nlock_ref={n.lock_ref}", **style)
-            # escape(): decoded text such as "<image>" must not be read as DOT markup.
-            dot.edge(str(n.parent.id), str(n.id), label=escape(text))
-        return dot
-
     def check_invariants(self) -> None:
         """Verify the tree's bookkeeping; raise :class:`InvariantError` on the first breach.
 
@@ -854,6 +826,6 @@ class RadixCache:
     def __repr__(self) -> str:
         return (
             f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy.name!r}, "
-            f"nodes={sum(1 for _ in self._nodes())}, evictable={self.evictable_size_}, "
+            f"nodes={sum(1 for _ in self.nodes())}, evictable={self.evictable_size_}, "
             f"protected={self.protected_size_})"
         )

@@ -20,6 +20,7 @@ from minirad import (
     TokenToKVPoolAllocator,
     UnknownBlockError,
 )
+from minirad.dot import radix_tree
 from minirad.events import ResetEvent, event_from_dict
 
 
@@ -108,10 +109,10 @@ def test_block_cache_hits_do_not_depend_on_the_container(wrap) -> None:
     assert mgr.block_hashes(wrap(tokens)) == mgr.block_hashes(tokens)
 
 
-def test_to_dot_escapes_text_that_looks_like_markup() -> None:
+def test_the_tree_drawing_escapes_text_that_looks_like_markup() -> None:
     cache = RadixCache()
     cache.insert([1, 2, 3])
-    dot = cache.to_dot(decode=lambda ids: "<image><image>\\l")
+    dot = radix_tree(cache, decode=lambda ids: "<image><image>\\l")
     dot.pipe(format="svg")  # raises CalledProcessError on invalid DOT
 
 

@@ -25,6 +25,7 @@ from minirad import (
     TokenToKVPoolAllocator,
     UnknownBlockError,
 )
+from minirad.dot import radix_tree
 
 
 def nodes(cache: RadixCache) -> list:
@@ -513,7 +514,7 @@ def test_check_invariants_detects_corruption() -> None:
         cache.check_invariants()
 
 
-def test_format_tree_and_to_dot_show_every_node() -> None:
+def test_format_tree_and_the_drawing_show_every_node() -> None:
     cache = RadixCache()
     cache.insert([1, 2, 3])
     cache.insert([1, 2, 4])
@@ -522,15 +523,16 @@ def test_format_tree_and_to_dot_show_every_node() -> None:
     assert text.splitlines()[0] == "root  #tokens=4"
     assert len(text.splitlines()) == 1 + 3
     assert "lock_ref=1 [1, 2]" in text
-    dot = cache.to_dot().source
+    dot = radix_tree(cache).source
     assert dot.count("->") == 3
 
 
 def test_the_cache_imports_without_graphviz() -> None:
-    """Drawing is not part of the cache: graphviz loads only when ``to_dot`` runs."""
+    """Drawing is not part of the cache: graphviz loads only when a tree is drawn."""
     code = (
         "import sys; from minirad.radix_cache import RadixCache; c = RadixCache(); "
-        "c.insert([1]); print('graphviz' in sys.modules); c.to_dot(); "
+        "c.insert([1]); print('graphviz' in sys.modules); "
+        "from minirad.dot import radix_tree; radix_tree(c); "
         "print('graphviz' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
