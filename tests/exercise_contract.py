@@ -189,6 +189,15 @@ class ExerciseContract:
             exercise.check(wrong)
             assert capsys.readouterr().out.startswith(f"[{exercise.name}] incorrect: "), wrong
 
+    def test_numpy_integers_count_as_ints(self, exercise: Exercise, oracle: Oracle) -> None:
+        """A right answer computed with numpy (``np.int64`` where an int is asked) passes."""
+
+        def as_numpy(n: int) -> object:  # a pad id (a whole image hash) does not fit int64
+            return n if isinstance(n, bool) or not -(2**63) <= n < 2**63 else np.int64(n)
+
+        right = _map_ints(oracle(), as_numpy)
+        assert exercise.is_correct(right), exercise.problem(right)
+
     def test_name_is_the_variable_and_a_title(self, exercise: Exercise) -> None:
         """``[q1 matched length]``: the name the learner calls, then what it asks."""
         short, _, title = exercise.name.partition(" ")

@@ -15,6 +15,7 @@ to look at, never "too high" or "too low" (which invites guessing).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 __all__ = ["Exercise", "WrongAnswer", "is_int", "is_int_list", "wrong_type"]
@@ -26,8 +27,9 @@ class WrongAnswer(Exception):
 
 
 def is_int(x: object) -> bool:
-    """An int that is not a bool (``True == 1``: a bool would pass an ``==`` check)."""
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer that is not a bool (``True == 1``: a bool would pass an ``==`` check).
+    numpy integers count (``numbers.Integral``): a count computed with numpy is still a count."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def is_int_list(x: object) -> bool:
