@@ -110,7 +110,7 @@ def no_server_at(replay_endpoint: str) -> Callable[[dict], bool]:
     return lambda s: s["status"].startswith(f"no vLLM answering at {replay_endpoint}")
 
 
-def test_the_view_follows_a_real_vllm_server_live(vllm_python, tmp_path):
+def test_the_view_follows_a_real_vllm_server_live(vllm_python, browser, tmp_path):
     server = VLLMServer(python=vllm_python)
     wrong = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     notebooks = tmp_path / "notebooks"
@@ -122,10 +122,7 @@ def test_the_view_follows_a_real_vllm_server_live(vllm_python, tmp_path):
             f"wrong_port = viz.watch({wrong[0]!r}, {wrong[1]!r})\nwrong_port",
         ],
     )
-    from viz.bench import chromium
-
     with (
-        chromium() as browser,
         jupyter_lab(tmp_path, root=notebooks) as lab,
         contextlib.ExitStack() as cleanup,
     ):
