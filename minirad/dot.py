@@ -5,9 +5,9 @@ Drawing is not part of the cache, so ``graphviz`` is imported inside the functio
 can run everything but the pictures.
 
 The defaults: Helvetica everywhere, and a ``size`` so that a drawing never overflows
-JupyterLab's output area (about 968 px wide at the default window size; Graphviz scales a
-larger drawing down to fit, never a smaller one up). Rendering needs Graphviz's ``dot``
-program (``make lab`` installs it).
+JupyterLab's output area (about 848 px wide in a 1280-px window with the file browser open;
+Graphviz scales a larger drawing down to fit, never a smaller one up). Rendering needs
+Graphviz's ``dot`` program (``make lab`` installs it).
 
 Example::
 
@@ -27,9 +27,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_WIDTH_IN", "digraph", "escape", "radix_tree"]
 
-# JupyterLab's output area is ~968 px wide; Graphviz's SVG is in points (1 pt = 4/3 px), so
-# 968 px is 726 pt, 10.08 in. The height bound only stops a pathological drawing.
-MAX_WIDTH_IN = 10
+# JupyterLab's output area is ~848 px wide in a 1280-px window with the file browser open (968
+# px without it); Graphviz's SVG is in points (1 pt = 4/3 px): 8.5 in = 612 pt = 816 px. The
+# height bound only stops a pathological drawing.
+MAX_WIDTH_IN = 8.5
 MAX_HEIGHT_IN = 40
 FONT = "Helvetica"
 
@@ -46,7 +47,7 @@ def digraph(
         name: the graph's name (the SVG's ``<title>``).
         graph_attr, node_attr, edge_attr: Graphviz attributes (strings), applied over the
             defaults: ``fontname`` Helvetica for all three, and the graph's ``size``
-            ``"10,40"`` (inches; a drawing wider than ~968 px is scaled down to fit).
+            ``"8.5,40"`` (inches; a drawing wider than 816 px is scaled down to fit).
     """
     import graphviz
 

@@ -203,7 +203,7 @@ class AllocEvent(Event):
 
     def describe(self) -> str:
         owner = f" to {self.owner}" if self.owner else ""
-        return f"{self.pool}: allocated {len(self.ids)} {self.unit}s{owner}"
+        return f"{self.pool}: allocated {plural(len(self.ids), self.unit)}{owner}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +216,7 @@ class FreeEvent(Event):
     ids: tuple[int, ...]
 
     def describe(self) -> str:
-        return f"{self.pool}: freed {len(self.ids)} {self.unit}s"
+        return f"{self.pool}: freed {plural(len(self.ids), self.unit)}"
 
 
 @dataclass(frozen=True, slots=True)

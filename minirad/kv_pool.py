@@ -19,6 +19,7 @@ Two allocators share that slot space:
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -211,8 +212,9 @@ class TokenToKVPoolAllocator:
             InvalidArgumentError: ``num_tokens`` is negative.
             OutOfMemoryError: not enough free pages; nothing is allocated.
         """
-        if not isinstance(num_tokens, int) or num_tokens < 0:
+        if not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:  # numpy ints too
             raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        num_tokens = int(num_tokens)
         n_pages = -(-num_tokens // self.page_size)
         if n_pages > self._num_free_pages():
             raise OutOfMemoryError(
@@ -239,6 +241,8 @@ class TokenToKVPoolAllocator:
             UnknownBlockError: a slot is out of range or its page is not allocated.
             InvalidKeyError: the radix cache holds a slot (it frees it when it evicts it).
         """
+        if not isinstance(slots, Sequence | np.ndarray):
+            raise UnknownBlockError(f"slots must be a sequence of ints, got {slots!r}")
         if len(slots) == 0:
             return
         # dict.fromkeys keeps the order and drops repeats: a page is freed once.

@@ -19,7 +19,9 @@ the learner must read; the untouched stub ``...`` is "not attempted"; the hint p
 printed solution is runnable code whose ``answer`` equals the oracle's and passes; the name is
 ``"qN title"`` with ``qN`` the module's name for it; a reason reads as words for the learner (no
 ``TypeError:`` prefix, no "too high / too low"). Per chapter: every exercise of the module has a
-case, and checking leaves the global RNGs alone.
+case, checking leaves the global RNGs alone, and the printed solutions use only names that the
+chapter's notebook (``notebooks/NN_*.ipynb``) has bound before its exercises: a solution pasted
+into the notebook runs.
 
 A chapter adapts the contract with class attributes (``solution_globals``, ``wrong_answers``),
 or by overriding a test and calling ``super()``.
@@ -27,15 +29,19 @@ or by overriding a test and calling ``super()``.
 
 from __future__ import annotations
 
+import ast
 import random
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import nbformat
 import numpy as np
 import pytest
 import torch
+from IPython.core.inputtransformer2 import TransformerManager
 
 from minirad.exercises import Exercise
 
@@ -46,6 +52,7 @@ Diagnosis = tuple[Exercise, Any, str]  # (exercise, wrong answer, a word of the 
 Capsys = pytest.CaptureFixture[str]
 # What a reason must not look like: a Python exception's name, or a bisection game.
 NOT_FOR_LEARNERS = re.compile(r"^\w*(Error|Exception)\b|too (high|low)", re.IGNORECASE)
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def near_misses(right: object) -> list[object]:
@@ -104,6 +111,47 @@ def common_len(a: Sequence[object], b: Sequence[object]) -> int:
     return n
 
 
+class _ModuleNames(ast.NodeVisitor):
+    """The names a module binds at its top level (not inside functions, classes' bodies or
+    comprehensions, which have scopes of their own)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Store):
+            self.names.add(node.id)
+
+    def visit_alias(self, node: ast.alias) -> None:
+        self.names.add(node.asname or node.name.split(".")[0])
+
+    def _bind_only(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
+        self.names.add(node.name)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _bind_only
+
+    def _skip(self, node: ast.AST) -> None:
+        pass
+
+    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _skip
+
+
+def notebook_names(chapter: ModuleType) -> set[str]:
+    """Names that ``chapter``'s notebook has bound (imported, assigned, defined) in its code
+    cells before the first cell that imports from ``minirad.exercises``: what a learner's
+    pasted solution may use. IPython syntax (``%magic``, ``!cmd``) is translated first."""
+    number = chapter.__name__.rsplit(".ch", 1)[1]
+    (path,) = NOTEBOOKS.glob(f"{number}_*.ipynb")
+    visitor, to_python = _ModuleNames(), TransformerManager()
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        if "minirad.exercises" in cell.source:
+            return visitor.names
+        visitor.visit(ast.parse(to_python.transform_cell(cell.source)))
+    raise AssertionError(f"{path.name} never imports its exercises")
+
+
 def _plus_one(n: int) -> int:
     return n if isinstance(n, bool) else n + 1
 
@@ -142,14 +190,17 @@ class ExerciseContract:
         diagnosed: ``(exercise, wrong answer, a word of the reason)`` triples, at least one per
             exercise; or a function that returns them, when they are costly to compute (it
             then runs at test time, not while pytest collects; cache it).
-        solution_globals: the names a printed solution may use without importing them (what
-            the notebook has imported); by default none: the solution is self-contained.
+        solution_globals: the names a printed solution may use without importing them, only
+            names the notebook has bound before its exercises (checked), never an exercises
+            module's constants (the notebook does not import them); or a function that returns
+            them, called afresh for every run (a solution may change a notebook's cache). By
+            default none: the solution is self-contained.
     """
 
     chapter: ModuleType
     cases: Sequence[Case] = ()
     diagnosed: Sequence[Diagnosis] | Callable[[], Sequence[Diagnosis]] = ()
-    solution_globals: dict[str, Any] = {}
+    solution_globals: dict[str, Any] | Callable[[], dict[str, Any]] = {}
 
     wrong_answers = staticmethod(near_misses)  # a chapter may add its own near misses
 
@@ -168,9 +219,13 @@ class ExerciseContract:
         diagnosed = type(self).diagnosed  # read on the class: a function stays unbound
         return diagnosed() if callable(diagnosed) else diagnosed
 
+    def notebook_globals(self) -> dict[str, Any]:
+        given = type(self).solution_globals  # read on the class: a function stays unbound
+        return dict(given() if callable(given) else given)
+
     def run_solution(self, code: str) -> object:
         """Run a printed solution, as a learner would paste it; return the ``answer`` it sets."""
-        namespace = dict(self.solution_globals)
+        namespace = self.notebook_globals()
         exec(code, namespace)
         return namespace["answer"]
 
@@ -240,6 +295,11 @@ class ExerciseContract:
         exercises = {v for v in vars(self.chapter).values() if isinstance(v, Exercise)}
         assert {case[0] for case in self.cases} == exercises
         assert {ex for ex, _, _ in self.typical_mistakes()} <= exercises
+
+    def test_solution_globals_are_the_notebooks(self) -> None:
+        """A solution runs with nothing but what the learner's notebook has defined."""
+        missing = set(self.notebook_globals()) - notebook_names(self.chapter)
+        assert not missing, f"the notebook does not define {sorted(missing)} before its exercises"
 
     def test_checking_leaves_the_global_rng_alone(self) -> None:
         """A learner's seeded notebook must not change because they checked an answer: not

@@ -279,12 +279,15 @@ def test_figure3_text_is_readable_at_the_default_size(browser, figure3, tmp_path
                 .map((b) => b.getBoundingClientRect());
               const r = svg.getBoundingClientRect();
               return { px, wrap: document.querySelector('.rv-tree-wrap').clientWidth,
+                       hint: !document.querySelector('.rv-scroll-hint').hidden,
                        right: Math.max(...boxes.map((b) => b.right)) - r.left, width: r.width,
                        bottom: Math.max(...boxes.map((b) => b.bottom)) - r.top, height: r.height };
             }"""
         )
         assert 900 < shown["wrap"] < 1000, shown["wrap"]
         assert min(shown["px"], default=11) >= 10.99, (f.index, min(shown["px"]))
+        # A tree wider than the view says so (it scrolls rather than shrink its text further).
+        assert shown["hint"] == (shown["width"] > shown["wrap"] + 0.5), (f.index, shown)
         # No empty canvas: the drawing ends a margin (at most 24 px) after the last box.
         if len(f.nodes) > 1:
             assert shown["width"] - shown["right"] < 24 and shown["height"] - shown["bottom"] < 24

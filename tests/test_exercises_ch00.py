@@ -57,7 +57,4 @@ class TestExerciseContract(ExerciseContract):
     chapter = ch00
     cases = CASES
     diagnosed = DIAGNOSED
-
-    def run_solution(self, code: str) -> object:
-        self.solution_globals = notebook_globals()  # fresh: a solution may split the tree
-        return super().run_solution(code)
+    solution_globals = notebook_globals  # fresh for every run: a solution may split the tree

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from exercise_contract import ExerciseContract, common_len
 
-from minirad import RadixCache
 from minirad.exercises import ch03
 from minirad.scenario import ScenarioReplay
 
@@ -143,4 +142,3 @@ class TestExerciseContract(ExerciseContract):
     chapter = ch03
     cases = CASES
     diagnosed = DIAGNOSED
-    solution_globals = {"RadixCache": RadixCache, **vars(ch03)}  # what the notebook imports

@@ -148,6 +148,20 @@ def test_bad_arguments_raise_typed_errors(call) -> None:
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("slots", [None, 3, "ab", [None], [1.0]])
+def test_allocator_free_of_a_non_sequence_is_a_typed_error(slots) -> None:
+    alloc = TokenToKVPoolAllocator(8)
+    alloc.alloc(4)
+    with pytest.raises(UnknownBlockError):
+        alloc.free(slots)
+    assert alloc.available_size() == 4  # nothing was freed
+
+
+def test_allocator_takes_a_numpy_count_and_hands_out_plain_ints() -> None:
+    slots = TokenToKVPoolAllocator(8, page_size=2).alloc(np.int64(3))
+    assert slots == [0, 1, 2] and all(type(s) is int for s in slots)
+
+
 def test_allocator_is_allocated_is_false_out_of_range() -> None:
     alloc = TokenToKVPoolAllocator(8)
     alloc.alloc(8)

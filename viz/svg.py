@@ -28,9 +28,10 @@ __all__ = ["COLORS", "frame_svg"]
 COL_W, ROW_H = 148, 64
 BOX_W, BOX_H = 136, 38
 MARGIN = 12
-# JupyterLab's output area is ~968 px wide: a wider drawing is scaled down to this width
-# (the SVG's width attribute; its viewBox keeps the natural size).
-MAX_WIDTH = 960
+# JupyterLab's output area is ~848 px wide in a 1280-px window with the file browser open: a
+# wider drawing is scaled down to this width (the SVG's width attribute; its viewBox keeps
+# the natural size).
+MAX_WIDTH = 840
 CELL, CELL_PITCH, CELLS_PER_ROW = 10, 12, 64
 FONT = "Helvetica, Arial, sans-serif"
 

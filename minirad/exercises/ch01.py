@@ -3,6 +3,8 @@
 Each exercise describes a few :class:`~minirad.RadixCache` operations on small token ids; the
 learner predicts the outcome by hand. The expected answers are computed here by running those
 operations on a real ``RadixCache``, so they follow the library if its semantics ever change.
+Every ``Qn_SOLUTION`` is runnable code that sets ``answer``, importing the data it uses (the
+notebook imports only ``qn``); the tests run it and check it with ``qn``.
 
 Usage in the notebook::
 
@@ -19,14 +21,19 @@ from . import Exercise, is_int, is_int_list, wrong_type
 __all__ = [
     "Q1_INSERTS",
     "Q1_QUERY",
+    "Q1_SOLUTION",
     "Q2_INSERTS",
+    "Q2_SOLUTION",
     "Q3_INSERTS",
     "Q3_QUERY",
+    "Q3_SOLUTION",
     "Q4_INSERT",
     "Q4_PAGE_SIZE",
     "Q4_QUERY",
+    "Q4_SOLUTION",
     "Q5_INSERTS",
     "Q5_QUERY",
+    "Q5_SOLUTION",
     "q1",
     "q2",
     "q3",
@@ -63,20 +70,24 @@ def q1_expected() -> int:
     return len(cache.match_prefix(Q1_QUERY).indices)
 
 
+Q1_SOLUTION = """\
+from minirad import RadixCache
+from minirad.exercises.ch01 import Q1_INSERTS, Q1_QUERY
+
+# 4: the query follows the edge [1, 2, 3], enters the edge [4, 5, 6] and leaves it at 9
+# (the edge continues with 5).
+cache = RadixCache()
+for i, key in enumerate(Q1_INSERTS):
+    cache.insert(key, list(range(100 * i, 100 * i + len(key))))
+answer = len(cache.match_prefix(Q1_QUERY).indices)"""
+
 q1 = Exercise(
     "q1 matched length",
     lambda a: _check_int(
         a, q1_expected(), "tokens", "count the query's tokens that edges continue, edge by edge"
     ),
     hint="Walk the query down from the root; stop at the first token that no edge continues with.",
-    solution=(
-        "4: the query follows the edge [1, 2, 3], enters the edge [4, 5, 6] and leaves it at "
-        "9 (the edge continues with 5).\n"
-        "cache = RadixCache()\n"
-        "for i, key in enumerate(Q1_INSERTS):\n"
-        "    cache.insert(key, list(range(100 * i, 100 * i + len(key))))\n"
-        "answer = len(cache.match_prefix(Q1_QUERY).indices)"
-    ),
+    solution=Q1_SOLUTION,
 )
 
 
@@ -97,6 +108,24 @@ def q2_expected() -> int:
     return _count_nodes(cache.root_node)
 
 
+Q2_SOLUTION = """\
+from minirad import RadixCache
+from minirad.exercises.ch01 import Q2_INSERTS
+
+# 6: [1,2,3,4] -> 1 node; [1,2,5,6] splits it into [1,2] -> [3,4] and adds [5,6] (3);
+# [1,2,3,7] splits [3,4] into [3] -> [4] and adds [7] (5); [8,9] is a new root child (6);
+# [1,2] ends exactly at a node: nothing changes.
+cache = RadixCache()
+for i, key in enumerate(Q2_INSERTS):
+    cache.insert(key, list(range(100 * i, 100 * i + len(key))))
+
+
+def count(node):
+    return sum(1 + count(child) for child in node.children.values())
+
+
+answer = count(cache.root_node)"""
+
 q2 = Exercise(
     "q2 node count",
     lambda a: _check_int(
@@ -106,17 +135,7 @@ q2 = Exercise(
         "Draw the tree after every insert. An insert that leaves an edge midway splits it "
         "(one more node), then adds a leaf for the rest if any tokens are left."
     ),
-    solution=(
-        "6: [1,2,3,4] -> 1 node; [1,2,5,6] splits it into [1,2] -> [3,4] and adds [5,6] (3); "
-        "[1,2,3,7] splits [3,4] into [3] -> [4] and adds [7] (5); [8,9] is a new root child "
-        "(6); [1,2] ends exactly at a node: nothing changes.\n"
-        "cache = RadixCache()\n"
-        "for i, key in enumerate(Q2_INSERTS):\n"
-        "    cache.insert(key, list(range(100 * i, 100 * i + len(key))))\n"
-        "def count(node):\n"
-        "    return sum(1 + count(child) for child in node.children.values())\n"
-        "answer = count(cache.root_node)"
-    ),
+    solution=Q2_SOLUTION,
 )
 
 
@@ -140,10 +159,24 @@ def _check_q3(answer: object) -> str | None:
     expected = q3_expected()
     if len(answer) != len(expected):
         return f"{len(answer)} slots, but the query matches {len(expected)} tokens"
+    if sorted(answer) == sorted(expected) != list(answer):
+        return "the right slots in the wrong order: slot j holds the K/V of the query's token j"
     if list(answer) != expected:
         return "right length, wrong slots: which copy of [5, 6, 7] does the tree keep?"
     return None
 
+
+Q3_SOLUTION = """\
+from minirad import RadixCache
+from minirad.exercises.ch01 import Q3_INSERTS, Q3_QUERY
+
+# [40, 41, 42, 53]: the tree kept slots 40-42 for [5, 6, 7] (insert returned 3, and the
+# second request must free its duplicates 50-52); the leaf [1, 2] holds 53, 54, and the
+# query stops after 1, so match_prefix splits that leaf and returns 53.
+cache = RadixCache()
+for key, value in Q3_INSERTS:
+    cache.insert(key, value)
+answer = cache.match_prefix(Q3_QUERY).indices"""
 
 q3 = Exercise(
     "q3 slots of a mid-edge match",
@@ -152,15 +185,7 @@ q3 = Exercise(
         "insert() keeps the slots the tree already has for the cached prefix; only the new "
         "tail brings its own slots. The query then ends inside the second request's leaf."
     ),
-    solution=(
-        "[40, 41, 42, 53]: the tree kept slots 40-42 for [5, 6, 7] (insert returned 3, and "
-        "the second request must free its duplicates 50-52); the leaf [1, 2] holds 53, 54, and "
-        "the query stops after 1, so match_prefix splits that leaf and returns 53.\n"
-        "cache = RadixCache()\n"
-        "for key, value in Q3_INSERTS:\n"
-        "    cache.insert(key, value)\n"
-        "answer = cache.match_prefix(Q3_QUERY).indices"
-    ),
+    solution=Q3_SOLUTION,
 )
 
 
@@ -191,18 +216,22 @@ def _check_q4(answer: object) -> str | None:
     return None
 
 
+Q4_SOLUTION = """\
+from minirad import RadixCache
+from minirad.exercises.ch01 import Q4_INSERT, Q4_PAGE_SIZE, Q4_QUERY
+
+# (6, 4): the 7-token key is cut to 3 pages (6 tokens); the query shares 5 tokens with it,
+# rounded down to 2 pages = 4 tokens.
+cache = RadixCache(page_size=Q4_PAGE_SIZE)
+cache.insert(Q4_INSERT, list(range(len(Q4_INSERT))))
+answer = (cache.total_size(), len(cache.match_prefix(Q4_QUERY).indices))"""
+
 q4 = Exercise(
     "q4 page_size 2",
     _check_q4,
     hint="Both insert and match_prefix cut keys to whole pages, and a match is rounded down "
     "to a whole page.",
-    solution=(
-        "(6, 4): the 7-token key is cut to 3 pages (6 tokens); the query shares 5 tokens with "
-        "it, rounded down to 2 pages = 4 tokens.\n"
-        "cache = RadixCache(page_size=Q4_PAGE_SIZE)\n"
-        "cache.insert(Q4_INSERT, list(range(len(Q4_INSERT))))\n"
-        "answer = (cache.total_size(), len(cache.match_prefix(Q4_QUERY).indices))"
-    ),
+    solution=Q4_SOLUTION,
 )
 
 
@@ -238,6 +267,19 @@ def _check_q5(answer: object) -> str | None:
     )
 
 
+Q5_SOLUTION = """\
+from minirad import RadixCache
+from minirad.exercises.ch01 import Q5_INSERTS, Q5_QUERY
+
+# 3: the root is #0, [1,2,3,4] is #1 and [5,6] is #2. The match stops inside #1, which is
+# split: the prefix [1, 2] keeps id 1 (it is the returned last_node) and the suffix [3, 4]
+# gets the next id, 3.
+cache = RadixCache()
+for i, key in enumerate(Q5_INSERTS):
+    cache.insert(key, list(range(100 * i, 100 * i + len(key))))
+node = cache.match_prefix(Q5_QUERY).last_node
+answer = next(iter(node.children.values())).id"""
+
 q5 = Exercise(
     "q5 node id after a split",
     _check_q5,
@@ -245,14 +287,5 @@ q5 = Exercise(
         "Ids are handed out in creation order, starting with the root at 0. In minirad a "
         "split keeps the old id on the prefix part; the suffix part gets the next free id."
     ),
-    solution=(
-        "3: the root is #0, [1,2,3,4] is #1 and [5,6] is #2. The match stops inside #1, which "
-        "is split: the prefix [1, 2] keeps id 1 (it is the returned last_node) and the suffix "
-        "[3, 4] gets the next id, 3.\n"
-        "cache = RadixCache()\n"
-        "for i, key in enumerate(Q5_INSERTS):\n"
-        "    cache.insert(key, list(range(100 * i, 100 * i + len(key))))\n"
-        "node = cache.match_prefix(Q5_QUERY).last_node\n"
-        "answer = next(iter(node.children.values())).id"
-    ),
+    solution=Q5_SOLUTION,
 )

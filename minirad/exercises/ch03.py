@@ -92,6 +92,9 @@ def _check_q1(answer: object) -> str | None:
 
 
 Q1_SOLUTION = """\
+from minirad import RadixCache
+from minirad.exercises.ch03 import Q1_INSERTS, Q1_LOCKED_QUERY
+
 # The tree: [1, 2] -> [3, 4], [1, 2] -> [5, 6], and [7, 8, 9]. The query matches
 # [1, 2] + [5, 6]; locking [5, 6] also locks its parent [1, 2]: 4 tokens protected.
 cache = RadixCache()

@@ -188,6 +188,8 @@ function render({ model, el }) {
   const eventsList = htmlEl("ol", "", eventsBox);
   const treeWrap = htmlEl("div", "rv-tree-wrap", root);
   const tree = svgEl("svg", { class: "rv-tree" }, treeWrap);
+  // Shown when the tree is wider than the view ("fit" never shrinks text below MIN_TEXT_PX).
+  const scrollHint = htmlEl("div", "rv-scroll-hint", root, "wider than the view: scroll sideways →");
   const edgeLayer = svgEl("g", { class: "rv-edges" }, tree);
   const nodeLayer = svgEl("g", { class: "rv-nodes" }, tree);
   const thumbLayer = svgEl("g", { class: "rv-thumbs" }, tree);
@@ -237,6 +239,7 @@ function render({ model, el }) {
     tree.setAttribute("viewBox", `0 0 ${w} ${h}`);
     tree.style.width = `${Math.ceil(w * scale)}px`;
     tree.style.height = `${Math.ceil(h * scale)}px`;
+    scrollHint.hidden = !(availW > 0 && Math.ceil(w * scale) > availW);
   }
 
   // The width the output area gives the drawing is known once the view is on the page, and
