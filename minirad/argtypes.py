@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["SAMPLING_RULES", "positive_int", "prompt_text", "sampling_arg", "sampling_error"]
+from .errors import RequestError
+from .sampling_params import SamplingParams
+
+__all__ = ["positive_int", "prompt_text", "sampling_arg"]
 
 
 def positive_int(text: str) -> int:
@@ -34,32 +37,10 @@ def prompt_text(text: str) -> str:
     return text
 
 
-# The rules of minirad.engine.SamplingParams.__post_init__, spelled here without torch so that
-# a bad flag or JSONL field is refused before the engine import (seconds); test_cli checks that
-# both refuse the same values. name -> (accepts, what it must be).
-SAMPLING_RULES = {
-    "max_new_tokens": (lambda v: type(v) is int and v >= 1, "an int >= 1"),
-    "temperature": (lambda v: isinstance(v, int | float) and v >= 0, ">= 0"),
-    "top_k": (lambda v: type(v) is int and v >= 0, "an int >= 0 (0: off)"),
-    "top_p": (lambda v: isinstance(v, int | float) and 0 < v <= 1, "in (0, 1]"),
-    "seed": (lambda v: v is None or isinstance(v, int), "an int or None"),
-}
-
-
-def sampling_error(name: str, value: object) -> str | None:
-    """Why ``value`` is not a valid :class:`~minirad.engine.SamplingParams` field ``name``
-    (``"must be >= 0, got -1.0"``), or None if it is valid.
-
-    Raises:
-        KeyError: ``name`` is not one of :data:`SAMPLING_RULES`.
-    """
-    accepts, what = SAMPLING_RULES[name]
-    return None if accepts(value) else f"must be {what}, got {value!r}"
-
-
 def sampling_arg(name: str, parse: type[int] | type[float]):
-    """An ``argparse`` type for the sampling field ``name``: ``parse(text)`` checked with
-    :func:`sampling_error`.
+    """An ``argparse`` type for the :class:`~minirad.sampling_params.SamplingParams` field
+    ``name``: ``parse(text)``, checked by ``SamplingParams`` itself (torch-free, so a bad flag
+    is refused before the engine import).
 
     The returned function raises ``argparse.ArgumentTypeError`` (argparse prints it and
     exits 2) for text ``parse`` refuses or a value out of range.
@@ -69,10 +50,12 @@ def sampling_arg(name: str, parse: type[int] | type[float]):
         try:
             value = parse(text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(sampling_error(name, text)) from e
-        if error := sampling_error(name, value):
-            raise argparse.ArgumentTypeError(error)
+            kind = "an integer" if parse is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from e
+        try:
+            SamplingParams(**{name: value})
+        except RequestError as e:  # "temperature must be ...": argparse names the flag
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{name} ")) from e
         return value
 
-    convert.__name__ = name
     return convert

@@ -46,18 +46,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from .argtypes import positive_int, prompt_text
+from .argtypes import positive_int, prompt_text, sampling_arg
 from .errors import ImageError, InvalidArgumentError, MiniradError, RequestError
+from .sampling_params import SamplingParams
 from .vllm_server import DEFAULT_MODEL_DIR
 
 if TYPE_CHECKING:  # the engine imports torch and transformers: only the commands load it
-    from .engine import GenerateRequest, LLMEngine, RequestOutput, SamplingParams
+    from .engine import GenerateRequest, LLMEngine, RequestOutput
 
 __all__ = [
     "BatchStats",
     "build_parser",
     "chat_prompt",
     "check_image",
+    "check_model_dir",
+    "check_prompt",
     "finish_note",
     "load_requests",
     "main",
@@ -67,10 +70,23 @@ __all__ = [
 
 # The per-request fields a JSONL line may set (besides "prompt" and "images").
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+# What each JSONL field holds, for `minirad batch --help` and the unknown-field message.
+JSONL_FIELDS = {
+    "prompt": "the question (required; a non-space character; no '<image>' without --raw)",
+    "images": "list of image paths, relative to the JSONL file, placed before the question",
+    "max_new_tokens": "int >= 1 (default: --max-new-tokens)",
+    "temperature": "float >= 0 (0: greedy, the default)",
+    "top_k": "int >= 0 (0: off)",
+    "top_p": "float in (0, 1] (1: off)",
+    "seed": "int: this request's own sampling seed",
+}
 # The engine's choices (minirad.engine.PREFIX_STRATEGIES and POLICIES), spelled here so that
 # --help and a bad choice answer without importing torch; test_cli checks they agree.
 PREFIX_STRATEGIES = ("radix", "truncate", "none")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
+# The shipped model's training prompts hold one image each (minirad.train: the user turn is
+# one image item, then the question), so several images are outside what it learned.
+ONE_IMAGE_MODEL = DEFAULT_MODEL_DIR.resolve()
 NO_IMAGE_WARNING = (
     "no image given: the model answers from the text alone (minirad's models are VLMs; "
     "the course's tiny model was trained on image questions only)"
@@ -132,6 +148,76 @@ def check_image(path: Path, where: str = "", written: str | None = None) -> None
         )
 
 
+def check_model_dir(model: str | Path) -> Path:
+    """The model folder ``model``, checked before the engine import (seconds).
+
+    Raises:
+        InvalidArgumentError: ``model`` is not a folder, or has no ``config.json`` (not a
+            Hugging Face model folder).
+    """
+    path = Path(model)
+    if not path.is_dir():
+        raise InvalidArgumentError(f"model folder {str(model)!r} not found")
+    if not (path / "config.json").is_file():
+        raise InvalidArgumentError(
+            f"model folder {str(model)!r} has no config.json: not a Hugging Face model folder "
+            "(pass --model a folder saved with save_pretrained)"
+        )
+    return path
+
+
+def _image_token(model_dir: Path) -> str | None:
+    """The processor's image placeholder (``"<image>"``) as saved in ``model_dir``, read from
+    its JSON files rather than by loading the processor (which imports transformers)."""
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        try:
+            token = json.loads((model_dir / name).read_text(encoding="utf-8")).get("image_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(token, str) and token:
+            return token
+    return None
+
+
+def check_prompt(
+    prompt: str, num_images: int, raw: bool, placeholder: str | None, where: str = ""
+) -> None:
+    """Refuse a prompt whose placeholders do not fit its images, before the model loads.
+
+    A plain prompt must not hold ``placeholder`` (the chat template adds one per image); a
+    ``raw`` one must hold exactly ``num_images`` of them. No check when ``placeholder`` is
+    None (a model folder without it saved). ``where`` prefixes the message.
+
+    Raises:
+        RequestError: the prompt breaks the rule for its mode.
+    """
+    if placeholder is None:
+        return
+    count = prompt.count(placeholder)
+    if not raw and count:
+        raise RequestError(
+            f"{where}the prompt contains {placeholder!r}: without --raw the images go "
+            f"before the question, one per image; remove it, or pass --raw with a "
+            f"fully templated prompt"
+        )
+    if raw and count != num_images:
+        raise RequestError(
+            f"{where}the prompt has {count} {placeholder!r} placeholder(s) but {num_images} "
+            f"image(s) were given: with --raw the prompt needs one {placeholder!r} per image"
+        )
+
+
+def _images_note(command: str, model_dir: Path, num_images: int, where: str = "") -> None:
+    """Say on stderr how several images of a plain prompt are placed (and, for the shipped
+    model, that it learned one image per prompt)."""
+    note = (
+        f"{where}{num_images} images go before the question, in the order given (first image first)"
+    )
+    if model_dir.resolve() == ONE_IMAGE_MODEL:
+        note += f"; {ONE_IMAGE_MODEL.name} was trained on one image per prompt"
+    print(f"minirad {command}: note: {note}", file=sys.stderr)
+
+
 def _warn(command: str, message: str) -> None:
     print(f"minirad {command}: warning: {message}", file=sys.stderr)
 
@@ -154,15 +240,15 @@ def load_requests(path: str | Path, max_new_tokens: int = 32) -> list[RequestLin
             string holding a non-space character, a list of string ``images`` and only valid
             sampling fields (the message names the line).
         ImageError: an image :func:`check_image` refuses (the message names the line).
-    """
-    from .engine import SamplingParams
 
+    The whole file is checked before the engine is imported (which takes seconds).
+    """
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise RequestError(f"cannot read {str(path)!r}: {e.strerror}") from e
-    out = []
+    checked = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -173,37 +259,38 @@ def load_requests(path: str | Path, max_new_tokens: int = 32) -> list[RequestLin
             raise RequestError(f"{where}: not valid JSON ({e.msg})") from e
         if not isinstance(obj, dict):
             raise RequestError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        if unknown := set(obj) - {"prompt", "images", *SAMPLING_FIELDS}:
-            raise RequestError(f"{where}: unknown fields {sorted(unknown)}")
+        if unknown := set(obj) - set(JSONL_FIELDS):
+            raise RequestError(
+                f"{where}: unknown fields {sorted(unknown)}; a line may hold "
+                f"{', '.join(JSONL_FIELDS)}"
+            )
         prompt, images = obj.get("prompt"), obj.get("images", [])
         if not isinstance(prompt, str) or not prompt.strip():
             raise RequestError(f"{where}: 'prompt' must be a string with a non-space character")
         if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
             raise RequestError(f"{where}: 'images' must be a list of paths")
+        fields = {"max_new_tokens": max_new_tokens} | {
+            k: obj[k] for k in SAMPLING_FIELDS if k in obj
+        }
         try:
-            params = SamplingParams(
-                **{"max_new_tokens": max_new_tokens}
-                | {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
-            )
+            params = SamplingParams(**fields)
         except RequestError as e:
-            raise RequestError(f"{where}: {e}") from e
+            raise RequestError(f"{where}: {e}") from None
         paths = [path.parent / p for p in images]
         for written, p in zip(images, paths, strict=True):
             check_image(p, f"{where}: ", written)
-        out.append(RequestLine(where, prompt, paths, params))
-    if not out:
+        checked.append(RequestLine(where, prompt, paths, params))
+    if not checked:
         raise RequestError(f"{path}: no requests")
-    return out
+    return checked
 
 
 def _load_engine(args: argparse.Namespace, **settings) -> LLMEngine:
-    """The engine over ``args.model``.
+    """The engine over ``args.model`` (a folder :func:`check_model_dir` accepted).
 
     Raises:
-        InvalidArgumentError: no such folder, or no loadable model in it.
+        InvalidArgumentError: no loadable model in the folder.
     """
-    if not Path(args.model).is_dir():
-        raise InvalidArgumentError(f"model folder {str(args.model)!r} not found")
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -226,23 +313,12 @@ def _request(
     images: Sequence[Path],
     raw: bool,
     params: SamplingParams,
-    where: str = "",
 ) -> GenerateRequest:
-    """The engine request for a CLI prompt (templated unless ``raw``).
-
-    Raises:
-        RequestError: a plain prompt holds the image placeholder (``where`` prefixes it).
-    """
+    """The engine request for a CLI prompt (templated unless ``raw``; :func:`check_prompt`
+    has checked its placeholders)."""
     from .engine import GenerateRequest
 
     if not raw:
-        placeholder = getattr(engine.processor, "image_token", None)
-        if placeholder and placeholder in prompt:
-            raise RequestError(
-                f"{where}the prompt contains {placeholder!r}: without --raw the images go "
-                f"before the question, one per image; remove it, or pass --raw with a "
-                f"fully templated prompt"
-            )
         prompt = chat_prompt(engine.processor, prompt, len(images))
     return GenerateRequest(prompt, [str(p) for p in images], params)
 
@@ -273,8 +349,10 @@ def _generate(args: argparse.Namespace) -> int:
     images = [Path(p) for p in args.image]
     for p in images:
         check_image(p)
-    from .engine import SamplingParams  # after the checks above: it takes seconds (torch)
-
+    model_dir = check_model_dir(args.model)
+    check_prompt(args.prompt, len(images), args.raw, _image_token(model_dir))
+    if len(images) > 1 and not args.raw:
+        _images_note(args.command, model_dir, len(images))
     params = SamplingParams(**{k: getattr(args, k) for k in SAMPLING_FIELDS})
     engine = _load_engine(args)
     request = _request(engine, args.prompt, images, args.raw, params)
@@ -348,12 +426,17 @@ class BatchStats:
 
 
 def run_batch(
-    engine: LLMEngine, requests: Sequence[GenerateRequest]
+    engine: LLMEngine, requests: Sequence[GenerateRequest], names: Sequence[str] = ()
 ) -> tuple[list[RequestOutput], BatchStats]:
     """Run ``requests`` together (continuous batching) and measure the batch.
 
     The engine's counters are read before and after, so an engine that already served
     requests reports only this batch; the peak is taken from the pool's allocation events.
+
+    Raises:
+        MiniradError: a request the engine refuses (:meth:`~minirad.engine.LLMEngine.
+            add_request`), its message prefixed with its entry of ``names``
+            (``"requests.jsonl:3: "``) if given; nothing runs then.
     """
     from .events import AllocEvent, Event
 
@@ -368,7 +451,7 @@ def run_batch(
     before = engine.stats
     unsubscribe = engine.bus.subscribe(on_event)
     try:
-        outs = engine.generate(list(requests))
+        outs = engine.generate(_named(engine, requests, names))
     finally:
         unsubscribe()
     after = engine.stats
@@ -389,8 +472,33 @@ def run_batch(
     return outs, stats
 
 
+def _named(
+    engine: LLMEngine, requests: Sequence[GenerateRequest], names: Sequence[str]
+) -> list[GenerateRequest]:
+    """``requests``, each first queued alone and aborted again, so that an error names the
+    request (``engine.generate`` refuses the batch without saying which one)."""
+    for name, request in zip(names, requests, strict=False):
+        try:
+            rid = engine.add_request(request)
+        except MiniradError as e:
+            raise type(e)(f"{name}{e}") from e
+        engine.abort_request(rid)
+    return list(requests)
+
+
 def _batch(args: argparse.Namespace) -> int:
+    if args.num_kv_slots % args.page_size:
+        raise InvalidArgumentError(
+            f"--num-kv-slots {args.num_kv_slots} is not a multiple of --page-size "
+            f"{args.page_size}: the pool is whole pages"
+        )
     lines = load_requests(args.requests, args.max_new_tokens)
+    model_dir = check_model_dir(args.model)
+    placeholder = _image_token(model_dir)
+    for line in lines:
+        check_prompt(line.prompt, len(line.images), args.raw, placeholder, f"{line.where}: ")
+        if len(line.images) > 1 and not args.raw:
+            _images_note(args.command, model_dir, len(line.images), f"{line.where}: ")
     engine = _load_engine(
         args,
         prefix_strategy=args.prefix_strategy,
@@ -398,14 +506,16 @@ def _batch(args: argparse.Namespace) -> int:
         num_kv_slots=args.num_kv_slots,
         policy=args.policy,
     )
-    requests = [
-        _request(engine, line.prompt, line.images, args.raw, line.params, f"{line.where}: ")
-        for line in lines
-    ]
+    requests = [_request(engine, line.prompt, line.images, args.raw, line.params) for line in lines]
     for line in lines:
         if not line.images:
             _warn(args.command, f"{line.where}: {NO_IMAGE_WARNING}")
-    outs, stats = run_batch(engine, requests)
+    try:
+        outs, stats = run_batch(engine, requests, [f"{line.where}: " for line in lines])
+    except RequestError as e:
+        if "KV slots" not in str(e):  # the pool is too small for the request
+            raise
+        raise RequestError(f"{e}; raise --num-kv-slots (now {args.num_kv_slots})") from e
     for i, (line, out) in enumerate(zip(lines, outs, strict=True)):
         about = f" ({', '.join(p.name for p in line.images)})" if line.images else ""
         note = finish_note(out, line.params.max_new_tokens, engine.max_model_len)
@@ -423,6 +533,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="send prompts as written (already templated, with image placeholders)",
     )
     p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+
+
+class _BatchHelpFormatter(
+    argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
+    """Defaults in the flags' help, and the JSONL field table kept one line per field."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -451,18 +567,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="at most this many tokens; fewer if the context (max_model_len) fills first",
     )
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0: off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    temperature = sampling_arg("temperature", float)
+    g.add_argument("--temperature", type=temperature, default=0.0, help=">= 0; 0: greedy")
+    g.add_argument("--top-k", type=sampling_arg("top_k", int), default=0, help=">= 0; 0: off")
+    g.add_argument(
+        "--top-p", type=sampling_arg("top_p", float), default=1.0, help="in (0, 1]; 1: off"
+    )
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
     g.set_defaults(run=_generate)
 
-    b = sub.add_parser("batch", help="answer a JSONL file of requests", formatter_class=fmt)
+    width = max(map(len, JSONL_FIELDS))
+    b = sub.add_parser(
+        "batch",
+        help="answer a JSONL file of requests",
+        formatter_class=_BatchHelpFormatter,
+        epilog="JSONL fields, one JSON object per line:\n"
+        + "\n".join(f"  {k:<{width}}  {v}" for k, v in JSONL_FIELDS.items()),
+    )
     _add_common(b)
     b.add_argument("requests", help="JSONL file: one request object per line")
     b.add_argument("--max-new-tokens", type=positive_int, default=32, help="unless a line sets it")
-    b.add_argument("--prefix-strategy", choices=PREFIX_STRATEGIES, default="radix")
+    b.add_argument(
+        "--prefix-strategy",
+        choices=PREFIX_STRATEGIES,
+        default="radix",
+        help="reuse of cached prompt KV: radix (the longest cached prefix, images included, "
+        "SGLang's RadixAttention), truncate (only the text before the first image), none",
+    )
     b.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
     b.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool in tokens")
     b.add_argument("--policy", choices=SCHEDULING_POLICIES, default="fcfs", help="scheduling order")

@@ -4,6 +4,8 @@ The reference for every answer is Hugging Face ``generate()`` on the same templa
 the cache statistics are checked against what the requests share (a prefix, an image).
 """
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import torch
 from PIL import Image
 from tiny_models import IMAGE_SIZE, LLAVA_IMAGE_TOKENS, tiny_llava, tiny_llava_processor
 
-from minirad.cli import build_parser, chat_prompt, finish_note, main
+from minirad.cli import JSONL_FIELDS, build_parser, chat_prompt, finish_note, main
 
 # A chat template over the tiny word-level vocabulary ("w4" .. "w95" are words): the role
 # and turn markers are ordinary words, so the prompt tokenizes without unknown tokens.
@@ -164,7 +166,8 @@ def test_batch_with_a_tight_pool_preempts_and_still_answers(tiny_dir, capsys):
     "argv_tail, message",
     [
         (["generate", "--model", "{root}/nowhere", "--prompt", "w10"], "model folder"),
-        (["generate", "--model", "{root}", "--prompt", "w10"], "cannot load a model"),
+        (["generate", "--model", "{root}", "--prompt", "w10"], "has no config.json"),
+        (["generate", "--model", "{root}/broken", "--prompt", "w10"], "cannot load a model"),
         (["generate", "--image", "{root}/missing.png", "--prompt", "w10"], "missing.png"),
         (["batch", "{root}/bad.jsonl", "--model", "{root}/model"], "bad.jsonl:2: not valid JSON"),
         (["batch", "{root}/noimg.jsonl", "--model", "{root}/model"], "noimg.jsonl:1: image"),
@@ -184,6 +187,8 @@ def test_errors_print_one_line_and_exit_2(tiny_dir, capsys, argv_tail, message):
     write_jsonl(root / "noimg.jsonl", [{"prompt": "w10", "images": ["nope.png"]}])
     write_jsonl(root / "field.jsonl", [{"prompt": "w10", "colour": "red"}])
     write_jsonl(root / "temp.jsonl", [{"prompt": "w10", "temperature": -1}])
+    (root / "broken").mkdir(exist_ok=True)
+    (root / "broken" / "config.json").write_text("{}")
     argv = [a.replace("{root}", str(root)) for a in argv_tail]
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -280,8 +285,28 @@ def test_several_images_go_before_the_question_in_order(tiny_dir, capsys):
     answers = []
     for order in (images, images[::-1]):
         assert main(argv + [a for p in order for a in ("--image", str(p))]) == 0
-        answers.append(capsys.readouterr().out)
+        captured = capsys.readouterr()
+        answers.append(captured.out)
         assert answers[-1] == hf_answer(model, processor, "w10 w11", order) + "\n"
+        note = captured.err.splitlines()[0]
+        assert note == (
+            "minirad generate: note: 2 images go before the question, in the order given "
+            "(first image first)"
+        )  # not the shipped model: no claim about its training
+
+
+def test_several_images_with_the_shipped_model_say_it_learned_one():
+    from minirad.models import DEFAULT_MODEL_DIR
+
+    image = DEFAULT_MODEL_DIR.parents[1] / "images" / "red_circle_left_of_blue_square.png"
+    argv = ["generate", "--image", str(image), "--image", str(image), "--prompt", "What is it?"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv + ["--max-new-tokens", "1"]) == 0
+    assert err.getvalue().splitlines()[0] == (
+        "minirad generate: note: 2 images go before the question, in the order given (first "
+        "image first); minirad-tiny-llava was trained on one image per prompt"
+    )
 
 
 def test_a_placeholder_in_a_plain_prompt_is_refused(tiny_dir, capsys):
@@ -398,3 +423,108 @@ def test_batch_prints_each_finish_reason(tiny_dir, capsys):
     first, second = finish_lines(capsys.readouterr().out)
     assert first == "finish_reason: length (max_new_tokens 2 reached)"
     assert second.startswith("finish_reason: length (the context is full: ")
+
+
+def test_bad_inputs_are_refused_before_the_engine_import(tiny_dir, tmp_path):
+    """Every error a user can make in the flags, the prompt or the JSONL file is found before
+    torch and transformers are imported (the engine import and model load take seconds)."""
+    root, _, _ = tiny_dir
+    model, img = str(root / "model"), str(root / "img1.png")
+    files = {
+        "empty.jsonl": "\n\n",
+        "bad.jsonl": '{"prompt": "w10"}\n{"prompt": \n',
+        "list.jsonl": '["w10"]\n',
+        "field.jsonl": '{"prompt": "w10", "image": "img1.png"}\n',
+        "blank.jsonl": '{"prompt": " "}\n',
+        "images.jsonl": '{"prompt": "w10", "images": "img1.png"}\n',
+        "topk.jsonl": '{"prompt": "w10", "top_k": 1.5}\n',
+        "late.jsonl": '{"prompt": "w10"}\n' * 3 + '{"prompt": "w10", "top_p": 0}\n',
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "dir.jsonl").mkdir()
+    gen = ["generate", "--model", model, "--prompt", "w10"]
+    cases = [
+        (gen + ["--temperature", "-1"], "argument --temperature: must be >= 0, got -1.0"),
+        (gen + ["--top-p", "2"], "argument --top-p: must be in (0, 1], got 2.0"),
+        (gen + ["--top-k", "-5"], "argument --top-k: must be an int >= 0 (0: off), got -5"),
+        (gen + ["--image", img, "--prompt", "w10 <image>"], "the prompt contains '<image>'"),
+        (gen + ["--image", img, "--raw"], "has 0 '<image>' placeholder(s) but 1 image(s)"),
+        (gen + ["--raw", "--prompt", "<image> w1"], "1 '<image>' placeholder(s) but 0 image(s)"),
+        (["generate", "--model", "/nonexistent", "--prompt", "x"], "'/nonexistent' not found"),
+        (["generate", "--model", str(root), "--prompt", "x"], "has no config.json"),
+        (["batch", str(tmp_path / "none.jsonl")], "none.jsonl': No such file or directory"),
+        (["batch", str(tmp_path / "dir.jsonl")], "dir.jsonl': Is a directory"),
+        (["batch", str(tmp_path / "empty.jsonl")], "empty.jsonl: no requests"),
+        (["batch", str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not valid JSON"),
+        (["batch", str(tmp_path / "list.jsonl")], "list.jsonl:1: expected a JSON object"),
+        (
+            ["batch", str(tmp_path / "field.jsonl")],
+            "field.jsonl:1: unknown fields ['image']; a line may hold prompt, images, "
+            "max_new_tokens, temperature, top_k, top_p, seed",
+        ),
+        (["batch", str(tmp_path / "blank.jsonl")], "blank.jsonl:1: 'prompt' must be a string"),
+        (["batch", str(tmp_path / "images.jsonl")], "images.jsonl:1: 'images' must be a list"),
+        (["batch", str(tmp_path / "topk.jsonl")], "topk.jsonl:1: top_k must be an int >= 0"),
+        (["batch", str(tmp_path / "late.jsonl")], "late.jsonl:4: top_p must be in (0, 1]"),
+        (
+            ["batch", str(tmp_path / "late.jsonl"), "--page-size", "3"],
+            "--num-kv-slots 4096 is not a multiple of --page-size 3",
+        ),
+        (
+            ["batch", str(tmp_path / "late.jsonl"), "--model", "/nonexistent"],
+            "late.jsonl:4: top_p",  # the whole file is checked before the model folder
+        ),
+    ]
+    code = textwrap.dedent(
+        """
+        import contextlib, io, json, sys
+        from minirad.cli import main
+        results = []
+        for argv in json.loads(sys.argv[1]):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    status = main(argv)
+                except SystemExit as e:
+                    status = e.code
+            heavy = sorted({"torch", "transformers"} & set(sys.modules))
+            results.append([status, err.getvalue(), heavy])
+        print(json.dumps(results))
+        """
+    )
+    argvs = [argv if "--model" in argv else argv + ["--model", model] for argv, _ in cases]
+    run = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    for (argv, message), (status, err, heavy) in zip(cases, json.loads(run.stdout), strict=True):
+        assert (status, heavy) == (2, []), (argv, err)
+        assert message in err.splitlines()[-1], (argv, err)
+
+
+def test_a_pool_too_small_names_the_line_and_the_flag(tiny_dir, capsys):
+    root, _, processor = tiny_dir
+    n = len(
+        processor(text=chat_prompt(processor, "w10", 1), images=[make_image(1)])["input_ids"][0]
+    )
+    rows = [
+        {"prompt": "w10", "images": ["img1.png"], "max_new_tokens": 1},
+        {"prompt": "w10", "images": ["img1.png"], "max_new_tokens": 20},
+    ]
+    jsonl = write_jsonl(root / "pool.jsonl", rows)
+    argv = ["batch", str(jsonl), "--model", str(root / "model"), "--num-kv-slots", str(n + 4)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"minirad batch: error: {jsonl}:2: request needs up to ")
+    assert captured.err.endswith(f"; raise --num-kv-slots (now {n + 4})\n")
+
+
+def test_batch_help_describes_the_jsonl_fields_and_every_flag():
+    batch = build_parser()._subparsers._group_actions[0].choices["batch"]
+    text = batch.format_help()
+    lines = text.splitlines()
+    for field, what in JSONL_FIELDS.items():
+        assert [ln for ln in lines if ln.split()[:1] == [field]] == [f"  {field:<14}  {what}"]
+    assert all(a.help for a in batch._actions), [a.dest for a in batch._actions if not a.help]

@@ -1,8 +1,9 @@
 """The serving engine: requests, sampling, scheduling, encoder cache, model runner.
 
 - :class:`LLMEngine` (``engine.py``): ``add_request`` / ``step`` / ``generate`` / ``stream``.
-- :class:`GenerateRequest`, :class:`SamplingParams`, :class:`Request`,
-  :class:`RequestOutput` (``request.py``): a request's input, state and output.
+- :class:`GenerateRequest`, :class:`Request`, :class:`RequestOutput` (``request.py``): a
+  request's input, state and output; :class:`SamplingParams` (``minirad/sampling_params.py``,
+  torch-free: the CLI checks its flags with it before loading the engine).
 - :class:`InputProcessor` (``processing.py``): prompt + images -> ids, radix key, images.
 - :class:`Scheduler` (``scheduler.py``): continuous batching, chunked prefill, preemption,
   prefix reuse through the radix cache, ``fcfs`` / ``lpm``.
@@ -11,18 +12,12 @@
 - :func:`sample` (``sampling.py``): greedy, temperature, top-k, top-p, seeded per request.
 """
 
+from ..sampling_params import SamplingParams
 from .encoder_cache import EncoderCache
 from .engine import EngineConfig, EngineStats, LLMEngine
 from .model_runner import ModelRunner
 from .processing import ImageItem, ImageSegment, InputProcessor, ProcessedPrompt, load_image
-from .request import (
-    GenerateRequest,
-    Request,
-    RequestOutput,
-    RequestStats,
-    RequestStatus,
-    SamplingParams,
-)
+from .request import GenerateRequest, Request, RequestOutput, RequestStats, RequestStatus
 from .sampling import apply_top_k, apply_top_p, sample, sample_one
 from .scheduler import (
     POLICIES,

@@ -33,11 +33,12 @@ from ..events import EventBus, StepEvent
 from ..kv_pool import KVCache, TokenToKVPoolAllocator
 from ..models import PagedVLM, kv_cache_dims, load_model
 from ..radix_cache import RadixCache
+from ..sampling_params import SamplingParams
 from ..vllm_env import VLLM_BLOCK_SIZE
 from .encoder_cache import EncoderCache
 from .model_runner import ModelRunner
 from .processing import InputProcessor
-from .request import GenerateRequest, Request, RequestOutput, SamplingParams
+from .request import GenerateRequest, Request, RequestOutput
 from .sampling import sample
 from .scheduler import Scheduler, SchedulerConfig
 

@@ -3,8 +3,8 @@
 Three objects, as in vLLM v1 (``vllm/v1/request.py``, ``vllm/outputs.py``) and SGLang
 (``GenerateReqInput``, ``Req`` in ``managers/schedule_batch.py``):
 
-- :class:`GenerateRequest` + :class:`SamplingParams`: the user's input (prompt, images,
-  how to sample, when to stop).
+- :class:`GenerateRequest` + :class:`~minirad.sampling_params.SamplingParams`: the user's
+  input (prompt, images, how to sample, when to stop).
 - :class:`Request`: the engine's state of one request while it lives, one object as
   nano-vllm's ``Sequence``: a radix-cache :class:`~minirad.radix_cache.Req` (token ids, KV
   slots, locked prefix) extended with what the model and the scheduler need (the model's
@@ -30,6 +30,7 @@ from PIL import Image
 
 from ..errors import RequestError
 from ..radix_cache import Req
+from ..sampling_params import SamplingParams
 from .processing import ImageItem, ImageSegment
 
 __all__ = [
@@ -38,59 +39,7 @@ __all__ = [
     "RequestOutput",
     "RequestStats",
     "RequestStatus",
-    "SamplingParams",
 ]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token and when to stop (vLLM / SGLang ``SamplingParams``).
-
-    Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it before
-            sampling.
-        top_k: keep only the ``top_k`` most likely tokens (0: all).
-        top_p: keep the smallest set of most likely tokens whose probability reaches
-            ``top_p`` (nucleus sampling; 1.0: all).
-        seed: seeds this request's own ``torch.Generator``, so its samples do not depend on
-            the other requests in the batch. None: the engine draws a seed from its own.
-        max_new_tokens: stop after this many generated tokens (>= 1).
-        stop_token_ids: stop after generating one of these (the stop token is kept in the
-            output ids, as HF ``generate`` does). None: the model's EOS
-            (``generation_config.eos_token_id``); ``()``: never stop on a token.
-
-    Raises:
-        RequestError: a parameter is out of range.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_new_tokens: int = 16
-    stop_token_ids: Sequence[int] | None = None
-
-    def __post_init__(self) -> None:
-        if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, int | float) or not self.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if type(self.top_k) is not int or self.top_k < 0:
-            raise RequestError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise RequestError(f"seed must be an int or None, got {self.seed!r}")
-        if self.stop_token_ids is not None:
-            ids = tuple(self.stop_token_ids)
-            if not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise RequestError(f"stop_token_ids must be ints >= 0, got {ids!r}")
-            object.__setattr__(self, "stop_token_ids", ids)
-
-    @property
-    def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
 
 
 @dataclass(frozen=True)
