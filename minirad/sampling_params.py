@@ -7,6 +7,7 @@ class before it imports the engine (which takes seconds), so there is one set of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,8 +47,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, int | float) or not self.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t < math.inf:
+            raise RequestError(f"temperature must be a finite number >= 0, got {t!r}")
         if type(self.top_k) is not int or self.top_k < 0:
             raise RequestError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:

@@ -106,7 +106,7 @@ def _assert_clean_final_state(result) -> None:
     cache.check_invariants()
     assert cache.protected_size() == 0
     assert cache.root_node.lock_ref == 1
-    assert all(n.lock_ref == 0 for n in cache._nodes())
+    assert all(n.lock_ref == 0 for n in cache.nodes())
     # Every slot is either free or owned by the tree: nothing leaked, nothing double-freed.
     assert alloc.available_size() + cache.total_size() == result.capacity
     assert cache.evictable_size() == cache.total_size()

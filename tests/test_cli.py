@@ -173,7 +173,10 @@ def test_batch_with_a_tight_pool_preempts_and_still_answers(tiny_dir, capsys):
         (["batch", "{root}/noimg.jsonl", "--model", "{root}/model"], "noimg.jsonl:1: image"),
         (["batch", "{root}/field.jsonl", "--model", "{root}/model"], "unknown fields ['colour']"),
         (["batch", "{root}/none.jsonl", "--model", "{root}/model"], "cannot read"),
-        (["batch", "{root}/temp.jsonl", "--model", "{root}/model"], "temperature must be >= 0"),
+        (
+            ["batch", "{root}/temp.jsonl", "--model", "{root}/model"],
+            "temperature must be a finite number >= 0",
+        ),
         (
             ["generate", "--model", "{root}/model", "--image", "{root}/img1.png", "--raw"]
             + ["--prompt", "w10"],
@@ -445,7 +448,8 @@ def test_bad_inputs_are_refused_before_the_engine_import(tiny_dir, tmp_path):
     (tmp_path / "dir.jsonl").mkdir()
     gen = ["generate", "--model", model, "--prompt", "w10"]
     cases = [
-        (gen + ["--temperature", "-1"], "argument --temperature: must be >= 0, got -1.0"),
+        (gen + ["--temperature", "-1"], "--temperature: must be a finite number >= 0, got -1.0"),
+        (gen + ["--temperature", "inf"], "--temperature: must be a finite number >= 0, got inf"),
         (gen + ["--top-p", "2"], "argument --top-p: must be in (0, 1], got 2.0"),
         (gen + ["--top-k", "-5"], "argument --top-k: must be an int >= 0 (0: off), got -5"),
         (gen + ["--image", img, "--prompt", "w10 <image>"], "the prompt contains '<image>'"),

@@ -425,6 +425,9 @@ def test_bad_requests_raise_typed_errors_and_leave_the_engine_usable(llava, tmp_
         SamplingParams(max_new_tokens=0)
     with pytest.raises(RequestError):
         SamplingParams(top_p=0.0)
+    for temperature in (float("inf"), float("nan"), True, -0.5):
+        with pytest.raises(RequestError):
+            SamplingParams(temperature=temperature)
     with pytest.raises(RequestError):  # one bad request: none of the batch is queued
         engine.generate([requests(CASES[:1])[0], GenerateRequest("")])
     assert_idle(engine)
