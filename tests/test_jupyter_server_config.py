@@ -102,3 +102,15 @@ def test_an_untracked_notebook_is_saved_as_usual(repo, contents):
     contents.save({"type": "notebook", "format": "json", "content": nb}, "notebooks/mine.ipynb")
     saved = nbformat.read(repo / "notebooks" / "mine.ipynb", as_version=4)
     assert saved.metadata.kernelspec.name == "other"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_a_chapter_names_its_kernel_as_ipykernel_does(path):
+    """JupyterLab writes the running kernel's spec into a notebook when the kernel starts: a
+    committed spec that differs (e.g. "Python 3" for "Python 3 (ipykernel)") marks the chapter
+    unsaved the moment it opens, before the learner did anything."""
+    from ipykernel.kernelspec import get_kernel_dict
+
+    spec = get_kernel_dict()
+    expected = {"display_name": spec["display_name"], "language": spec["language"]}
+    assert nbformat.read(path, as_version=4).metadata.kernelspec == expected | {"name": "python3"}
