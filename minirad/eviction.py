@@ -8,19 +8,35 @@ ends with the node's ``id`` so that ties break the same way on every run (SGLang
 - ``lru``: least recently used first (``last_access_time``), the paper's policy (§3.1).
 - ``lfu``: least frequently hit first (``hit_count``), then least recently used.
 - ``fifo``: oldest insertion first (``creation_time``), blind to reuse.
+
+:class:`ClosedSessionLRUPolicy` (``lru-closed``) is reuse-aware: LRU, except that the tokens of
+conversations known to be over go first. It needs one fact from the caller, when a session
+closes (the client's last turn, or SGLang's ``close_session``), so it is not in
+:data:`POLICIES`; ``python -m minirad.bench radix`` runs it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from .radix_cache import TreeNode
 
-__all__ = ["EvictionPolicy", "FIFOPolicy", "LFUPolicy", "LRUPolicy", "POLICIES", "get_policy"]
+__all__ = [
+    "POLICIES",
+    "ClosedSessionLRUPolicy",
+    "EvictionPolicy",
+    "FIFOPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "get_policy",
+]
 
 
 class EvictionPolicy(Protocol):
@@ -45,6 +61,41 @@ class LFUPolicy:
 class FIFOPolicy:
     name = "fifo"
     priority = staticmethod(attrgetter("creation_time", "id"))
+
+
+class ClosedSessionLRUPolicy:
+    """LRU among the leaves of open sessions, after every leaf of a closed session.
+
+    A session's tokens are reused only by its next turn; once the client has closed it (its
+    last request finished), they are dead weight, and LRU would keep them as long as any
+    other idle conversation. This policy uses only what a server knows online: which slots
+    belong to closed sessions, as the caller reports with :meth:`close`.
+
+    The mark is read from a leaf's last slot, which holds the leaf's newest token. The caller
+    marks a closing session's own slots (not a shared prefix such as its system prompt) before
+    :meth:`RadixCache.cache_finished_req` makes them evictable, and clears slots that the
+    allocator hands out again with :meth:`reopen` (a mark must not change while a leaf waits
+    in the eviction heap).
+
+    Args:
+        size: the KV pool size in slots.
+    """
+
+    name = "lru-closed"
+
+    def __init__(self, size: int) -> None:
+        self.closed = np.zeros(size, dtype=bool)
+
+    def close(self, slots: Sequence[int]) -> None:
+        """Mark ``slots`` as tokens of a closed session."""
+        self.closed[list(slots)] = True
+
+    def reopen(self, slots: Sequence[int]) -> None:
+        """Clear the mark of freshly allocated ``slots``."""
+        self.closed[list(slots)] = False
+
+    def priority(self, node: TreeNode) -> tuple[int, ...]:
+        return (0 if self.closed[node.value[-1]] else 1, node.last_access_time, node.id)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -170,6 +171,9 @@ class TokenToKVPoolAllocator:
     Attributes:
         cache_owned: ``[size]`` bool, set and cleared by the :class:`~minirad.RadixCache` over
             this allocator for the slots it holds; :meth:`free` refuses them (at once).
+        peak_used_size: the most slots ever handed out at once since :meth:`clear`, in tokens
+            (whole pages; the radix tree's cached slots count as used, whereas vLLM's "KV
+            cache usage" counts free cached blocks as free).
     """
 
     def __init__(self, size: int, page_size: int = 1, bus: EventBus | None = None) -> None:
@@ -183,25 +187,30 @@ class TokenToKVPoolAllocator:
         self.num_pages = size // page_size
         self.bus = bus if bus is not None else EventBus()
         self.cache_owned = np.zeros(size, dtype=bool)
+        # One int object per slot, handed out again and again: gathering them (C) beats
+        # making new ints and freeing them on eviction by 12% on noreuse, 9% on chat.
+        self._slot_ints = np.arange(size, dtype=object)
         self.clear()
 
     def clear(self) -> None:
         """Free every page (a :class:`ResetEvent`); the cache over it must be reset too."""
-        # A FIFO queue as a list plus a head index: slicing runs in C, where a deque would
-        # pop one page at a time in Python (the allocator is on every request's hot path).
-        self._free_pages: list[int] = list(range(self.num_pages))
+        # A FIFO queue as an int64 array plus a head index: slices run in C and index the page
+        # mask without converting a list (numpy's conversion: ~100 ns a page).
+        self._free_pages = array("q", range(self.num_pages))
         self._head = 0
         self._allocated = np.zeros(self.num_pages, dtype=bool)  # page handed out?
+        self.peak_used_size = 0
         self.cache_owned[:] = False  # in place: the cache holds this array
         if self.bus.active:
             self.bus.emit(ResetEvent(self.bus.tick(), "token_pool"))
 
     def available_size(self) -> int:
         """Free capacity in tokens."""
-        return self._num_free_pages() * self.page_size
+        return (len(self._free_pages) - self._head) * self.page_size
 
-    def _num_free_pages(self) -> int:
-        return len(self._free_pages) - self._head
+    def used_size(self) -> int:
+        """Slots handed out and not yet freed, in tokens (``size - available_size()``)."""
+        return self.size - self.available_size()
 
     def alloc(self, num_tokens: int, owner: str | None = None) -> list[int]:
         """Slots for ``num_tokens`` tokens, in whole fresh pages: the first ``num_tokens``
@@ -212,22 +221,26 @@ class TokenToKVPoolAllocator:
             InvalidArgumentError: ``num_tokens`` is negative.
             OutOfMemoryError: not enough free pages; nothing is allocated.
         """
-        if not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:  # numpy ints too
+        if type(num_tokens) is not int and not isinstance(num_tokens, numbers.Integral):
             raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        num_tokens = int(num_tokens)
+        num_tokens = int(num_tokens)  # numpy ints too
+        if num_tokens < 0:
+            raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         n_pages = -(-num_tokens // self.page_size)
-        if n_pages > self._num_free_pages():
-            raise OutOfMemoryError(
-                f"need {n_pages} pages ({num_tokens} tokens), only {self._num_free_pages()} free"
-            )
+        free = len(self._free_pages) - self._head
+        if n_pages > free:
+            raise OutOfMemoryError(f"need {n_pages} pages ({num_tokens} tokens), only {free} free")
         pages = self._free_pages[self._head : self._head + n_pages]
         self._head += n_pages
-        if self._head > self.num_pages:  # compact: drop the consumed front of the list
+        if self._head > self.num_pages:  # compact: drop the consumed front of the queue
             del self._free_pages[: self._head]
             self._head = 0
-        self._allocated[pages] = True
+        page_ids = np.frombuffer(pages, np.int64)
+        self._allocated[page_ids] = True
         ps = self.page_size
-        slots = pages if ps == 1 else [p * ps + o for p in pages for o in range(ps)][:num_tokens]
+        self.peak_used_size = max(self.peak_used_size, self.size - (free - n_pages) * ps)
+        ids = page_ids if ps == 1 else (page_ids[:, None] * ps + np.arange(ps)).ravel()[:num_tokens]
+        slots = self._slot_ints[ids].tolist()
         self.bus.tick()
         if self.bus.active and slots:
             self.bus.emit(AllocEvent(self.bus.time, "token_pool", "slot", tuple(slots), owner))
@@ -245,13 +258,36 @@ class TokenToKVPoolAllocator:
             raise UnknownBlockError(f"slots must be a sequence of ints, got {slots!r}")
         if len(slots) == 0:
             return
-        # dict.fromkeys keeps the order and drops repeats: a page is freed once.
-        pages = list(dict.fromkeys((self._checked(slots) // self.page_size).tolist()))
+        arr = self._checked(slots)
+        pages = arr if self.page_size == 1 else arr // self.page_size
+        if len(pages) > 1:
+            ordered = np.sort(pages)
+            if np.count_nonzero(ordered[1:] == ordered[:-1]):  # a page named twice: free it once
+                pages = pages[np.sort(np.unique(pages, return_index=True)[1])]
+        self._release(pages, arr)
+
+    def free_evicted(self, slots: np.ndarray) -> None:
+        """Free the slots the radix cache has just evicted (int64, whole pages, in order).
+
+        The cache's registry already proves them distinct and its own, so only the page mask
+        is checked here, not everything :meth:`free` checks.
+
+        Raises:
+            UnknownBlockError: a page is not allocated (the pool was cleared under the cache).
+        """
+        if len(slots):
+            ps = self.page_size
+            pages = slots if ps == 1 else slots[::ps] // ps
+            if np.count_nonzero(self._allocated[pages]) != len(pages):
+                raise UnknownBlockError("the radix cache evicted slots that are not allocated")
+            self._release(pages, slots)
+
+    def _release(self, pages: np.ndarray, slots: np.ndarray) -> None:
         self._allocated[pages] = False
-        self._free_pages.extend(pages)
+        self._free_pages.frombytes(pages.astype(np.int64, copy=False).tobytes())
         self.bus.tick()
         if self.bus.active:
-            self.bus.emit(FreeEvent(self.bus.time, "token_pool", "slot", tuple(slots)))
+            self.bus.emit(FreeEvent(self.bus.time, "token_pool", "slot", tuple(slots.tolist())))
 
     def check_allocated(self, slots: Sequence[int]) -> None:
         """Raise what :meth:`free` would raise for ``slots``: every slot must be an int in
@@ -260,15 +296,24 @@ class TokenToKVPoolAllocator:
             self._checked(slots)
 
     def _checked(self, slots: Sequence[int]) -> np.ndarray:
-        """``slots`` as an int array if :meth:`free` may free them all; else raise why not."""
-        arr = np.asarray(slots)
+        """``slots`` as an int64 array if :meth:`free` may free them all; else raise why not."""
+        if isinstance(slots, np.ndarray):
+            if slots.dtype.kind not in "iu" or slots.ndim != 1:
+                self._raise_bad_free(slots)
+            arr = slots
+        else:
+            try:  # 'Q' type-checks at C speed (~8x numpy's list conversion); >= 2**63 wraps < 0
+                arr = np.frombuffer(array("Q", slots), np.int64)
+            except (TypeError, OverflowError):
+                self._raise_bad_free(slots)
+        lo = int(np.minimum.reduce(arr))  # ufunc reductions: C, unlike arr.min()
         if (
-            arr.dtype.kind not in "iu"
-            or arr.ndim != 1
-            or arr.min() < 0
-            or arr.max() >= self.size
-            or not self._allocated[arr // self.page_size].all()
-            or self.cache_owned[arr].any()
+            lo < 0
+            or np.maximum.reduce(arr) >= self.size
+            or not self.are_allocated(arr)
+            or np.count_nonzero(self.cache_owned[arr])
+            # array("Q") takes bools as 0 and 1: only then look at the types
+            or (lo <= 1 and not isinstance(slots, np.ndarray) and bool in set(map(type, slots)))
         ):
             self._raise_bad_free(slots)
         return arr
@@ -287,6 +332,13 @@ class TokenToKVPoolAllocator:
             if self.cache_owned[s]:
                 raise InvalidKeyError(f"slot {s} is held by the radix cache (freed on eviction)")
         raise UnknownBlockError(f"slots must be ints, got {slots!r}")  # e.g. bools
+
+    def are_allocated(self, slots: np.ndarray) -> bool:
+        """True if the page of every slot of ``slots`` (int64, each in ``0..size - 1``: the
+        caller checked) is handed out: one numpy call, where :meth:`check_allocated` makes six
+        (the radix cache checks the rest itself)."""
+        pages = slots if self.page_size == 1 else slots // self.page_size
+        return np.count_nonzero(self._allocated[pages]) == len(pages)
 
     def is_allocated(self, slot: int) -> bool:
         """True if ``slot`` is in range and its page is handed out."""

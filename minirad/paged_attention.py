@@ -23,11 +23,17 @@ FLOPs, dominates at this size.
 
 The index tensors (:class:`AttentionMetadata`) depend only on the batch, not on the layer, so
 they are built once per forward and shared by every layer.
+
+The engine splits a step that mixes decodes and prefills in two such calls
+(:func:`split_batch`, :func:`varlen_paged_attention`): one for its decodes, one for its prefills.
+With one call, a step of one 77-token prompt and seven decodes pads every decode to 77 query
+rows, 7x the real work (a FlashAttention varlen kernel walks the ragged lengths instead).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +41,13 @@ import torch.nn.functional as F
 from .errors import InvalidArgumentError
 
 __all__ = [
+    "AttentionGroup",
     "AttentionMetadata",
     "block_table_to_kv_slots",
     "paged_attention",
     "reference_attention",
+    "split_batch",
+    "varlen_paged_attention",
 ]
 
 
@@ -177,6 +186,94 @@ def paged_attention(
     )
     out = out.transpose(1, 2).reshape(B * Q, H, D)
     return out if metadata.output_index is None else out.index_select(0, metadata.output_index)
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences of a batch that share one SDPA call.
+
+    Attributes:
+        rows: their tokens' rows of the batch's ``q``, ``k`` and ``v``: a slice when they are
+            contiguous (the usual case: the scheduler puts running requests before new ones),
+            else a ``[n]`` int64 tensor.
+        metadata: the group as a batch of its own (its ``slot_mapping`` is the rows' slots).
+    """
+
+    rows: slice | torch.Tensor
+    metadata: AttentionMetadata
+
+
+def split_batch(
+    slot_mapping: torch.Tensor,
+    kv_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+) -> list[AttentionGroup]:
+    """Split a batch (arguments as in :meth:`AttentionMetadata.build`) in two attention
+    groups when it mixes decodes and prefills: the sequences with one new token, padded only
+    to their longest context, and those with more, padded among themselves. A batch of one
+    kind stays one group.
+
+    Raises:
+        InvalidArgumentError: the shapes disagree (see :meth:`AttentionMetadata.build`).
+    """
+    q_lens = query_lens.tolist()
+    is_decode = [q == 1 for q in q_lens]
+    if all(is_decode) or not any(is_decode):
+        meta = AttentionMetadata.build(slot_mapping, kv_slots, seq_lens, query_lens, max(q_lens))
+        return [AttentionGroup(slice(0, slot_mapping.shape[0]), meta)]
+    if seq_lens.shape != query_lens.shape or sum(q_lens) != slot_mapping.shape[0]:
+        raise InvalidArgumentError(
+            f"{slot_mapping.shape[0]} tokens, query lengths {q_lens} and seq_lens of shape "
+            f"{tuple(seq_lens.shape)} do not describe one batch"
+        )
+    s_lens, dev = seq_lens.tolist(), kv_slots.device
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    groups = []
+    for decode in sorted((True, False), key=lambda d: is_decode.index(d)):  # first row first
+        seqs = [b for b, d in enumerate(is_decode) if d == decode]
+        if seqs == list(range(seqs[0], seqs[-1] + 1)):
+            rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])
+        else:
+            rows = [r for b in seqs for r in range(starts[b], starts[b + 1])]
+            rows = torch.tensor(rows, device=dev)
+        index = torch.tensor(seqs, device=dev)
+        meta = AttentionMetadata.build(
+            slot_mapping[rows],
+            kv_slots.index_select(0, index)[:, : max(s_lens[b] for b in seqs)],
+            seq_lens.index_select(0, index),
+            query_lens.index_select(0, index),
+            max(q_lens[b] for b in seqs),
+        )
+        groups.append(AttentionGroup(rows, meta))
+    return groups
+
+
+def varlen_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: list[AttentionGroup],
+    scale: float,
+) -> torch.Tensor:
+    """:func:`paged_attention` over a batch split by :func:`split_batch`, one call per group
+    (shapes as there). The groups hold different sequences, so each stores its own tokens'
+    K/V just before it reads: no group reads a slot that another one writes."""
+    outs = [
+        paged_attention(q[g.rows], k[g.rows], v[g.rows], k_cache, v_cache, g.metadata, scale)
+        for g in groups
+    ]
+    slices = all(isinstance(g.rows, slice) for g in groups)
+    if slices and all(a.rows.stop == b.rows.start for a, b in pairwise(groups)):
+        return torch.cat(outs) if len(outs) > 1 else outs[0]  # the groups tile q in order
+    out = torch.empty_like(q)
+    for g, o in zip(groups, outs, strict=True):
+        out[g.rows] = o
+    return out
 
 
 def reference_attention(

@@ -7,11 +7,13 @@ real vLLM joins, on the shipped model (the ``vllm_python`` fixture: skipped with
 ``make vllm``, except in CI); without its venv the command says how to build it.
 """
 
+import re
+
 import numpy as np
 import pytest
 from PIL import Image
 from test_cli import TINY_CHAT_TEMPLATE
-from tiny_models import IMAGE_SIZE, tiny_llava, tiny_llava_processor
+from tiny_models import IMAGE_SIZE, bytes_per_token, tiny_llava, tiny_llava_processor
 
 from minirad import vllm_env
 from minirad.bench import main as bench_main
@@ -21,7 +23,9 @@ from minirad.bench.engine import (
     shared_workload,
     unique_workload,
 )
-from minirad.errors import InvalidArgumentError
+from minirad.bench.peer import kv_memory
+from minirad.engine import EngineConfig
+from minirad.errors import InvalidArgumentError, PeerError
 
 MAX_NEW = 5
 
@@ -91,6 +95,47 @@ def test_report_renders(results):
     assert "(1.00x)" in report  # the HF column against itself
 
 
+def report_row(report: str, name: str) -> list[list[str]]:
+    """The cells of row ``name`` in each workload's table, split at the column gaps."""
+    rows = [ln for ln in report.splitlines() if ln.startswith(name + "  ")]
+    return [[c.strip() for c in ln[len(name) :].split("  ") if c.strip()] for ln in rows]
+
+
+def test_kv_memory_of_every_run(llava, results):
+    model, _ = llava
+    pool = EngineConfig().num_kv_slots
+    for r in results:
+        assert r.hf.kv is None  # HF grows a cache per batch: no pool
+        longest = max(len(p) for p in r.hf.prompt_token_ids)
+        for run in r.minirad:
+            kv = run.kv
+            assert kv.bytes_per_token == bytes_per_token(model)
+            assert (kv.pool_tokens, kv.pool_bytes) == (pool, pool * kv.bytes_per_token)
+            # A request holds its whole prompt while it decodes (no stop token here).
+            assert longest <= kv.peak_usage <= kv.peak_held <= kv.pool_tokens
+        radix, none = r.minirad
+        # The tree keeps finished prefixes allocated; "none" frees them at once.
+        assert radix.kv.peak_held > radix.kv.peak_usage
+    report = format_report(results)
+    for row, cell in (
+        ("KV bytes/token", lambda kv: str(kv.bytes_per_token)),
+        ("KV pool, tokens", lambda kv: str(kv.pool_tokens)),
+        ("peak KV usage, tokens", lambda kv: kv.percent(kv.peak_usage, kv.pool_tokens)),
+        ("peak KV held, tokens", lambda kv: kv.percent(kv.peak_held, kv.pool_tokens)),
+    ):
+        want = [["n/a"] + [cell(x.kv) for x in r.minirad] for r in results]
+        assert report_row(report, row) == want, row
+
+
+def test_kv_memory_of_vllm_rejects_tensors_that_are_not_its_blocks():
+    info = {"num_gpu_blocks": 4, "block_size": 32}
+    good = {"shape": [4, 2, 32, 64], "element_size": 4}
+    assert kv_memory({**info, "kv_cache_tensors": [good]}, None).bytes_per_token == 2 * 64 * 4
+    for tensors in ([], [{**good, "shape": [5, 2, 32, 64]}], [{**good, "shape": [4, 2, 31]}]):
+        with pytest.raises(PeerError):
+            kv_memory({**info, "kv_cache_tensors": tensors}, None)
+
+
 def test_unique_workload_rejects_shared_questions(llava):
     _, processor = llava
     with pytest.raises(InvalidArgumentError):
@@ -135,8 +180,10 @@ def test_peer_vllm_without_its_venv_says_how_to_build_it(llava, tmp_path, capsys
 
 
 def test_peer_vllm_end_to_end(vllm_python, capsys):
-    """The real vLLM as a third column, on the shipped model: same answers, threads shown."""
+    """The real vLLM as a third column, on the shipped model: same answers, threads shown;
+    its pool capped to minirad's (4096 tokens in blocks of 32, and vLLM's null block)."""
     argv = ["engine", "--peer", "vllm", "--images", "1", "--questions", "3", "--unique", "2"]
+    argv += ["--num-kv-slots", "4096", "--peer-num-gpu-blocks", str(4096 // 32 + 1)]
     assert bench_main(argv + ["--max-new-tokens", "8", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -151,3 +198,15 @@ def test_peer_vllm_end_to_end(vllm_python, capsys):
     assert sum(ln.startswith("against vLLM 0.32.0: minirad radix") for ln in lines) == 2
     assert "VLLM::Worker" in out and "OMP_NUM_THREADS=" in out  # vLLM's thread binding
     assert "HF and minirad (this process): torch 1 intra-op" in out
+    # KV memory: vLLM's own tensors hold what ours hold per token (same model, float32).
+    for per_token in report_row(out, "KV bytes/token"):
+        assert per_token[0] == "n/a" and per_token[1] == per_token[2] == per_token[3]
+    assert re.findall(r"vLLM 0\.32\.0: (\d+) blocks of 32 tokens", out) == [str(4096 // 32 + 1)]
+    assert report_row(out, "KV pool, tokens") == [["n/a", "4096", "4096", "4096"]] * 2
+    for mib in report_row(out, "KV pool, MiB"):  # vLLM's tensors hold its null block too
+        assert mib[3] == f"{float(mib[1]) * (4096 // 32 + 1) / (4096 // 32):.2f}"
+    usages = report_row(out, "peak KV usage, tokens")
+    for usage, held in zip(usages, report_row(out, "peak KV held, tokens"), strict=True):
+        tokens = int(usage[3].split()[0])
+        assert 0 < tokens <= 4096 and tokens % 32 == 0  # sampled, in whole blocks
+        assert held[3] == "n/a"

@@ -245,6 +245,43 @@ def test_encoder_runs_once_per_distinct_image(model, processor):
     assert_idle(engine)
 
 
+def test_waiting_images_are_encoded_ahead_without_extra_runs(model, processor):
+    """One request at a time: the step that encodes the first image also encodes the next
+    waiting request's image, in the same call; the counts stay those of encoding on demand
+    (one run per distinct image; the third request's reuse of A is the only hit)."""
+    engine = LLMEngine(model, processor, max_num_seqs=1)
+    cases = [("<s> w20 <image> w21", [IMG_A]), ("<s> w30 <image> w31", [IMG_B])]
+    cases.append(("<s> w40 <image> w41", [IMG_A]))
+    rids = [engine.add_request(r) for r in requests(cases)]
+    engine.step()
+    assert len(engine.encoder_cache) == 2  # A for the running request, B ahead for the next
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.rid, o) for o in engine.step() if o.finished)
+    assert engine.stats.encoder_calls == 2 and engine.stats.encoder_hits == 1
+    assert_matches_hf(
+        [done[r] for r in rids], [hf_generate(model, processor, t, ims) for t, ims in cases]
+    )
+    assert_idle(engine)
+
+
+def test_images_encoded_before_are_not_encoded_ahead(model, processor):
+    """An image the engine encoded before may have its KV in the tree, so only its own
+    request may ask for it: here the repeated prompt finds its image's KV and never does."""
+    engine = LLMEngine(model, processor, max_num_seqs=1)
+    first = ("<s> w20 <image> w21 w22", [IMG_A])
+    engine.generate(requests([first]))
+    engine.encoder_cache.clear()  # A's features are gone; its KV stays in the tree
+    for r in requests([("<s> w30 <image> w31", [IMG_B]), first]):
+        engine.add_request(r)
+    engine.step()
+    assert len(engine.encoder_cache) == 1  # B only
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats.encoder_calls == 2  # A once, B once
+    assert_idle(engine)
+
+
 # ---------------------------------------------------------------------- one family suffices
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,3 +181,15 @@ def test_free_refuses_the_slots_the_radix_cache_holds_until_it_evicts_them() -> 
     assert alloc.available_size() == 8 and not alloc.cache_owned.any()
     alloc.free(alloc.alloc(8))  # every slot is an ordinary slot again
     cache.check_invariants()
+
+
+def test_allocator_refuses_bools_and_numpy_floats_as_slots() -> None:
+    alloc = TokenToKVPoolAllocator(4)
+    alloc.alloc(4)
+    for bad in ([True], [0, False], np.array([1.0]), [np.float64(2.0)]):
+        with pytest.raises(UnknownBlockError):
+            alloc.free(bad)
+        assert alloc.available_size() == 0
+    alloc.free(np.array([3, 1]))  # integer arrays are fine
+    got = alloc.alloc(2)
+    assert got == [3, 1] and all(type(s) is int for s in got)  # FIFO, plain ints

@@ -14,6 +14,8 @@ from minirad.paged_attention import (
     block_table_to_kv_slots,
     paged_attention,
     reference_attention,
+    split_batch,
+    varlen_paged_attention,
 )
 
 HEAD_DIM = 8
@@ -63,6 +65,7 @@ def run_case(seqs, block_size, num_heads, num_kv_heads, seed):
     new_k = torch.cat([k[p:] for k, (p, _) in zip(ks, seqs, strict=True)])
     new_v = torch.cat([v[p:] for v, (p, _) in zip(vs, seqs, strict=True)])
     scale = HEAD_DIM**-0.5
+    pool_before = k_cache.clone(), v_cache.clone()
     out = paged_attention(torch.cat(qs), new_k, new_v, k_cache, v_cache, meta, scale)
 
     expected = torch.cat(
@@ -72,7 +75,16 @@ def run_case(seqs, block_size, num_heads, num_kv_heads, seed):
     # The new K/V landed in the pool at slot_mapping.
     torch.testing.assert_close(k_cache[torch.tensor(new_slots)], new_k)
     torch.testing.assert_close(v_cache[torch.tensor(new_slots)], new_v)
-    return meta
+
+    # The engine's split batch: same outputs, same pool, from the pool as it was before.
+    pool_after = k_cache.clone(), v_cache.clone()
+    k_cache.copy_(pool_before[0])
+    v_cache.copy_(pool_before[1])
+    groups = split_batch(torch.tensor(new_slots), kv_slots, torch.tensor(lens), query_lens)
+    out = varlen_paged_attention(torch.cat(qs), new_k, new_v, k_cache, v_cache, groups, scale)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_cache, pool_after[0]) and torch.equal(v_cache, pool_after[1])
+    return meta, groups
 
 
 @settings(max_examples=40)
@@ -93,14 +105,36 @@ def test_paged_matches_dense(seqs, block_size, heads, seed):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_mixed_prefill_chunk_and_decodes(block_size):
     # A fresh prompt, a chunk after a cached prefix, and two decodes of different lengths.
-    meta = run_case([(0, 7), (5, 3), (11, 1), (2, 1)], block_size, 4, 2, seed=1)
+    meta, groups = run_case([(0, 7), (5, 3), (11, 1), (2, 1)], block_size, 4, 2, seed=1)
     assert meta.query_index is not None and meta.output_index.shape == (12,)
+    # Split: the two prefills padded to 7 queries, the decodes to 1, each to its own contexts.
+    prefills, decodes = (g.metadata for g in groups)
+    assert [g.rows for g in groups] == [slice(0, 10), slice(10, 12)]
+    assert prefills.mask.shape == (2, 1, 7, 8) and decodes.mask.shape == (2, 1, 1, 12)
+
+
+@pytest.mark.parametrize(
+    ("seqs", "rows"),
+    [
+        ([(4, 1), (0, 5), (6, 1)], [[0, 6], list(range(1, 6))]),  # decodes around a prefill
+        ([(0, 3), (4, 1), (2, 4)], [[0, 1, 2, 4, 5, 6, 7], [3]]),  # prefills around a decode
+    ],
+)
+def test_split_groups_that_are_not_contiguous(seqs, rows):
+    _, groups = run_case(seqs, 4, 4, 2, seed=3)
+    got = [
+        list(range(g.rows.start, g.rows.stop)) if isinstance(g.rows, slice) else g.rows.tolist()
+        for g in groups
+    ]
+    assert got == rows
+    assert isinstance(groups[0].rows, torch.Tensor)  # scattered rows: gathered, put back
 
 
 def test_uniform_decode_batch_needs_no_gather():
-    # All sequences have one new token: queries are a reshape, not a gather.
-    meta = run_case([(3, 1), (9, 1), (0, 1)], 4, 4, 2, seed=2)
+    # All sequences have one new token: queries are a reshape, not a gather; one group.
+    meta, groups = run_case([(3, 1), (9, 1), (0, 1)], 4, 4, 2, seed=2)
     assert meta.query_index is None and meta.output_index is None
+    assert len(groups) == 1 and groups[0].rows == slice(0, 3)
 
 
 def test_block_table_expansion_matches_slot_mapping():
@@ -110,6 +144,12 @@ def test_block_table_expansion_matches_slot_mapping():
         assert row == slot_mapping(table, range(10), 4)
     with pytest.raises(InvalidArgumentError):
         block_table_to_kv_slots(tables, 4, 13)
+
+
+def test_split_batch_rejects_inconsistent_lengths():
+    kv_slots, lens = torch.zeros(2, 5, dtype=torch.int64), torch.tensor([5, 5])
+    with pytest.raises(InvalidArgumentError):  # 4 tokens, but 1 + 2 new ones
+        split_batch(torch.zeros(4, dtype=torch.int64), kv_slots, lens, torch.tensor([1, 2]))
 
 
 def test_metadata_rejects_inconsistent_shapes():

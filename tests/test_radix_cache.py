@@ -537,3 +537,54 @@ def test_the_cache_imports_without_graphviz() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+# ---------------------------------------------------------------------- fast paths
+BIG = 2**256 + 7  # a multimodal pad id: no 64-bit array holds it, so edges compare as lists
+
+
+def test_keys_with_ids_of_64_bits_or_more_match_and_split_like_small_ones() -> None:
+    cache = RadixCache()
+    cache.insert([1, BIG, BIG, 4], [10, 11, 12, 13])
+    assert cache.insert([1, 2, 3], [20, 21, 22]) == 1  # small ids after the shared token 1
+    assert cache.match_prefix([1, BIG, BIG, 9]).indices == [10, 11, 12]
+    assert cache.match_prefix([1, BIG, 5]).indices == [10, 11]  # splits [BIG, BIG, 4]
+    assert cache.match_prefix([1, 2, 3, 4]).indices == [10, 21, 22]
+    assert cache.match_prefix([BIG]).indices == []
+    cache.check_invariants()
+
+
+def test_a_mismatch_deep_inside_a_long_edge_is_found_exactly() -> None:
+    cache = RadixCache()
+    key = list(range(1000, 1700))
+    cache.insert(key, list(range(700)))
+    for cut in (1, 2, 63, 64, 65, 350, 699):
+        probe = key[:cut] + [5] + key[cut + 1 :]
+        assert len(cache.match_prefix(probe).indices) == cut
+    cache.check_invariants()
+
+
+def test_req_checks_tokens_appended_after_an_earlier_check() -> None:
+    req = Req("r", [1, 2, 3])
+    assert req.fill_ids == [1, 2, 3]
+    req.output_ids.append(4)
+    assert req.fill_ids == [1, 2, 3, 4]
+    req.output_ids.append(-1)  # checked although the earlier ids were not checked again
+    with pytest.raises(InvalidKeyError):
+        _ = req.fill_ids
+    req.output_ids = [5]
+    req.origin_input_ids = [1, 2.5]  # a new list is checked again
+    with pytest.raises(InvalidKeyError):
+        _ = req.fill_ids
+    req.origin_input_ids = [1, BIG]
+    assert req.fill_ids == [1, BIG, 5]
+
+
+def test_evicting_from_a_pool_cleared_under_the_cache_raises() -> None:
+    alloc = TokenToKVPoolAllocator(8)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    cache.insert([1, 2], alloc.alloc(2))
+    alloc.clear()  # the documented misuse: the cache over it must be reset too
+    with pytest.raises(UnknownBlockError):
+        cache.evict(2)
+    assert alloc.available_size() == 8

@@ -213,3 +213,12 @@ def tiny_idefics3_processor():
         tokenizer=word_level_tokenizer(special),
         image_seq_len=IDEFICS3_IMAGE_TOKENS,
     )
+
+
+def bytes_per_token(model) -> int:
+    """K and V of one token over all layers, from the HF config (not from our KVCache)."""
+    text = model.config.text_config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize

@@ -5,6 +5,8 @@ ideas, not plotting.
 - :func:`block_pool_chart`: a paged KV pool, one row per block (chapter 02).
 - :func:`paged_batch_chart`: one paged-attention step, the pool beside the gathered batch
   (chapter 04).
+- :func:`hit_rate_chart`: hit rate over pool size for several eviction policies, Belady's MIN
+  and the infinite cache (chapter 03).
 
 Example::
 
@@ -26,7 +28,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from minirad import slot_mapping
 
-__all__ = ["block_pool_chart", "cached_tokens_chart", "paged_batch_chart"]
+__all__ = ["block_pool_chart", "cached_tokens_chart", "hit_rate_chart", "paged_batch_chart"]
 
 _COLOURS = ("#9ecae1", "#3182bd", "#31a354", "#e6550d")
 # One colour per request of a pool chart, in the order the requests are given.
@@ -66,6 +68,56 @@ def cached_tokens_chart(
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", ncols=len(cached) + 1, frameon=False)
     ax.set_ylim(0, max(prompt_tokens) * 1.3)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+# Line styles of hit_rate_chart: (colour, marker, line style); other series cycle _COLOURS.
+_POLICY_STYLES = {
+    "lru": ("#2f62b0", "o", "-"),
+    "lfu": ("#3a8a2e", "s", "-"),
+    "fifo": ("#c62828", "x", "--"),
+    "lru-closed": ("#e6a100", "^", "-"),
+    "MIN": ("black", "D", "--"),
+}
+
+
+def hit_rate_chart(
+    capacities: Sequence[int],
+    hit_rates: Mapping[str, Sequence[float]],
+    infinite: float,
+    unique_tokens: int,
+    title: str = "hit rate over pool size",
+) -> Figure:
+    """Hit rate (prompt tokens served from the cache) over KV pool size, one line per series,
+    with the infinite cache as a dotted ceiling.
+
+    Args:
+        capacities: pool sizes in tokens (the x axis, drawn as % of ``unique_tokens``).
+        hit_rates: ``{series: hit rate per capacity}``, e.g. policies and ``"MIN"``; hit rates
+            are fractions in [0, 1].
+        infinite: hit rate of a cache that never evicts.
+        unique_tokens: the trace's unique tokens (what the infinite cache holds).
+
+    Raises:
+        ValueError: a series does not have one value per capacity, or ``unique_tokens <= 0``.
+    """
+    if any(len(v) != len(capacities) for v in hit_rates.values()):
+        raise ValueError("every series needs one value per capacity")
+    if unique_tokens <= 0:
+        raise ValueError(f"unique_tokens must be > 0, got {unique_tokens}")
+    xs = [100 * c / unique_tokens for c in capacities]
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.axhline(infinite, color="0.5", linestyle=":", label=f"infinite cache ({infinite:.1%})")
+    for k, (name, rates) in enumerate(hit_rates.items()):
+        colour, marker, line = _POLICY_STYLES.get(name, (_COLOURS[k % len(_COLOURS)], ".", "-"))
+        ax.plot(xs, rates, marker=marker, linestyle=line, color=colour, label=name)
+    ax.set_xlabel("KV pool size (% of the trace's unique tokens)")
+    ax.set_ylabel("hit rate (prompt tokens)")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=10)
+    ax.legend(frameon=False, fontsize=8, loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     return fig

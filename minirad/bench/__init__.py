@@ -8,45 +8,51 @@
   encoder calls; answers must match) (:mod:`minirad.bench.engine`, :mod:`minirad.bench.peer`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
-:func:`main` registers them as subcommands.
+:func:`main` registers them as subcommands, importing only the one it runs (``engine`` pulls in
+transformers: seconds of start-up that ``radix`` does not need).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 from collections.abc import Sequence
 
 from ..errors import MiniradError
-from . import engine, radix
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = {
-    "radix": (radix, "radix-cache hit rate and throughput on a multi-turn chat trace"),
-    "engine": (
-        engine,
-        "our engine against HF generate() (and the real vLLM: --peer vllm) on VLM requests",
-    ),
+_COMMANDS = {  # subcommand (= module name) -> help
+    "radix": "radix-cache hit rate, throughput and %% of optimal on a multi-turn chat trace",
+    "engine": "our engine against HF generate() (and the real vLLM: --peer vllm) on VLM requests",
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m minirad.bench`` parser with one subcommand per benchmark."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``python -m minirad.bench`` parser with one subcommand per benchmark.
+
+    Args:
+        only: import and register the options of this subcommand alone (the others keep their
+            name and help); None: all of them.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m minirad.bench", description="minirad benchmarks"
     )
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{" + ",".join(_COMMANDS) + "}"
     )
-    for name, (module, help_) in _COMMANDS.items():
+    for name, help_ in _COMMANDS.items():
         p = sub.add_parser(
             name,
             help=help_,
             description=help_,
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
-        module.add_arguments(p)
-        p.set_defaults(run=module.run_cli)
+        if only in (None, name):
+            module = importlib.import_module(f".{name}", __name__)
+            module.add_arguments(p)
+            p.set_defaults(run=module.run_cli)
     return parser
 
 
@@ -56,7 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Bad arguments (including library errors such as a pool too small for the trace) end
     with argparse's usage message and exit code 2.
     """
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The top-level parser has no option taking a value: the first bare word is the command.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in _COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -35,6 +35,15 @@ batch's start; and, for comparison, every system from the run's start); prompt t
 computed and cached; vision-tower runs (vLLM does not report them). Answers must match HF's
 token for token: the report counts mismatching requests. Timings are only printed; a shared
 machine makes them noisy.
+
+KV memory (:class:`KVMemory`; not for HF, whose ``DynamicCache`` grows per batch, no pool): the
+bytes one token's K and V take, the configured pool (tokens, bytes of the physical tensors),
+and how full it got. *Peak usage* is vLLM's "KV cache usage" (``SchedulerStats.kv_cache_usage``,
+the blocks running requests hold, over the usable blocks), sampled as vLLM samples it: after
+every step, once that step's finished requests have let go. minirad's equivalent is the
+allocator's slots in use minus the tree's unlocked (evictable) slots. *Peak held* also counts
+the cached prefixes no request holds: the allocator's ``peak_used_size``, a true peak updated on
+every allocation; vLLM does not report it (free cached blocks count as free, evicted lazily).
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ if TYPE_CHECKING:
     from .peer import VLLMPeer
 
 __all__ = [
+    "KVMemory",
     "RunResult",
     "Workload",
     "WorkloadResult",
@@ -175,6 +185,35 @@ def default_workloads(
     ]
 
 
+@dataclass(frozen=True)
+class KVMemory:
+    """A run's KV pool and how full it got (see the module docstring).
+
+    Attributes:
+        bytes_per_token: K plus V of one token over all layers, in bytes.
+        pool_tokens: usable capacity of the configured pool (vLLM: its blocks but the null
+            block, times the block size).
+        pool_bytes: bytes of the physical KV tensors (vLLM: the null block included).
+        block_size: tokens per block (minirad: per page).
+        peak_usage: most tokens running requests held after a step (vLLM's KV cache usage);
+            None: not measured.
+        peak_held: most tokens allocated at once, cached prefixes included; None: not
+            measured.
+    """
+
+    bytes_per_token: int
+    pool_tokens: int
+    pool_bytes: int
+    block_size: int
+    peak_usage: int | None
+    peak_held: int | None
+
+    @staticmethod
+    def percent(tokens: int | None, pool_tokens: int) -> str:
+        """``tokens`` as ``"N (P%)"`` of ``pool_tokens``, or ``"n/a"`` for None."""
+        return "n/a" if tokens is None else f"{tokens} ({100 * tokens / pool_tokens:.3g}%)"
+
+
 @dataclass
 class RunResult:
     """One system's run of one workload.
@@ -189,6 +228,7 @@ class RunResult:
         cached_tokens: prompt tokens reused from the prefix cache (0 for HF).
         prompt_token_ids: each request's prompt as the model saw it (no padding).
         num_cached_tokens: per request, its prompt tokens reused from the prefix cache.
+        kv: the run's KV pool and peaks (None: not measured, e.g. HF).
     """
 
     name: str
@@ -201,6 +241,7 @@ class RunResult:
     cached_tokens: int = 0
     prompt_token_ids: list[list[int]] = field(default_factory=list)
     num_cached_tokens: list[int] = field(default_factory=list)
+    kv: KVMemory | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -299,8 +340,10 @@ def run_minirad(
     model, processor, workload: Workload, batch_size: int, max_new_tokens: int, **engine_kwargs
 ) -> RunResult:
     """Every request submitted at once to a fresh :class:`LLMEngine` with
-    ``max_num_seqs=batch_size`` (``engine_kwargs``: other :class:`EngineConfig` fields)."""
+    ``max_num_seqs=batch_size`` (``engine_kwargs``: other :class:`EngineConfig` fields).
+    Its :class:`KVMemory` comes from the engine's ``KVCache`` and allocator."""
     engine = LLMEngine(model, processor, max_num_seqs=batch_size, **engine_kwargs)
+    allocator, tree = engine.allocator, engine.tree_cache
     params = SamplingParams(max_new_tokens=max_new_tokens)
     t0 = time.perf_counter()
     submitted, first, outputs = {}, {}, {}
@@ -308,14 +351,18 @@ def run_minirad(
         rid = engine.add_request(GenerateRequest(text, images, params))
         submitted[rid] = time.perf_counter()
     rids = list(submitted)
+    peak_usage = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             first.setdefault(out.rid, time.perf_counter())
             if out.finished:
                 outputs[out.rid] = out
+        # After the step, as vLLM samples its KV cache usage: what running requests hold.
+        peak_usage = max(peak_usage, allocator.used_size() - tree.evictable_size())
     seconds = time.perf_counter() - t0
     st = engine.stats
     strategy = engine.config.prefix_strategy
+    kv = engine.kv_cache
     return RunResult(
         f"minirad {strategy}",
         [outputs[r].token_ids for r in rids],
@@ -327,6 +374,14 @@ def run_minirad(
         st.cached_tokens,
         prompt_token_ids=[outputs[r].prompt_token_ids for r in rids],
         num_cached_tokens=[outputs[r].stats.cached_tokens for r in rids],
+        kv=KVMemory(
+            bytes_per_token=kv.bytes_per_token,
+            pool_tokens=kv.num_slots,
+            pool_bytes=kv.nbytes,
+            block_size=kv.block_size,
+            peak_usage=peak_usage,
+            peak_held=allocator.peak_used_size,
+        ),
     )
 
 
@@ -443,6 +498,9 @@ def _table(r: WorkloadResult) -> str:
         xs = x.ttft_from_start if from_start else x.ttft
         return _mean(xs) if xs else None
 
+    def kv(x: RunResult, cell) -> str:
+        return "n/a" if x.kv is None else cell(x.kv)
+
     rows = [
         ("output tokens/s", [_cell(x.throughput, hf.throughput, ".1f") for x in runs]),
         (
@@ -461,6 +519,17 @@ def _table(r: WorkloadResult) -> str:
         ("output tokens", [f"{x.output_tokens}" for x in runs]),
         ("wall time, s", [f"{x.seconds:.3f}" for x in runs]),
         ("mismatches vs HF", ["-"] + [f"{r.mismatches(x)}" for x in runs[1:]]),
+        ("KV bytes/token", [kv(x, lambda m: f"{m.bytes_per_token}") for x in runs]),
+        ("KV pool, tokens", [kv(x, lambda m: f"{m.pool_tokens}") for x in runs]),
+        ("KV pool, MiB", [kv(x, lambda m: f"{m.pool_bytes / 2**20:.2f}") for x in runs]),
+        (
+            "peak KV usage, tokens",
+            [kv(x, lambda m: m.percent(m.peak_usage, m.pool_tokens)) for x in runs],
+        ),
+        (
+            "peak KV held, tokens",
+            [kv(x, lambda m: m.percent(m.peak_held, m.pool_tokens)) for x in runs],
+        ),
     ]
     names = [x.name for x in runs]
     w0 = max(len(k) for k, _ in rows)
@@ -493,7 +562,10 @@ def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | N
     note = (
         "TTFT: minirad per request from submission (queueing included); HF per batch, its "
         "prefill from the batch's start.\n"
-        "HF's prefill tokens include padding. Ratios in parentheses are x/HF."
+        "HF's prefill tokens include padding. Ratios in parentheses are x/HF.\n"
+        "KV peaks in % of the pool. Usage: tokens running requests hold, sampled after every"
+        " step (vLLM's KV cache usage; whole blocks); held: usage plus cached prefixes no"
+        " request holds (the allocator's true peak)."
     )
     if any(r.peer for r in results):
         note += (
@@ -545,6 +617,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also run a real engine: vllm (its own venv, `make vllm`; about 40 s to start)",
     )
+    parser.add_argument(
+        "--peer-num-gpu-blocks",
+        type=positive_int,
+        default=None,
+        help="vLLM's KV pool in blocks of 32 tokens, its null block included "
+        "(num_gpu_blocks_override; e.g. num-kv-slots / 32 + 1 for minirad's pool); "
+        "default: what 1 GiB holds",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -564,7 +644,13 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.peer == "vllm":
             from .peer import VLLMPeer  # peer.py imports this module's types
 
-            peer = stack.enter_context(VLLMPeer(args.model, max_num_seqs=args.batch_size))
+            peer = stack.enter_context(
+                VLLMPeer(
+                    args.model,
+                    max_num_seqs=args.batch_size,
+                    num_gpu_blocks_override=args.peer_num_gpu_blocks,
+                )
+            )
         model, processor = load_model(args.model)
         workloads = default_workloads(
             processor, args.images, args.questions, args.unique, args.seed

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import io
+import math
 import os
 import select
 import signal
@@ -30,9 +31,9 @@ import msgspec
 from ..errors import InvalidArgumentError, PeerError
 from ..models import DEFAULT_MODEL_DIR
 from ..vllm_env import VLLM_BLOCK_SIZE, vllm_python
-from .engine import RunResult, Workload
+from .engine import KVMemory, RunResult, Workload
 
-__all__ = ["WORKER", "VLLMPeer", "describe_threads"]
+__all__ = ["WORKER", "VLLMPeer", "describe_threads", "kv_memory"]
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 _FRAME = struct.Struct(">I")
@@ -126,7 +127,8 @@ class VLLMPeer:
             ``seconds`` of the call inside the worker, vLLM's per-request TTFT (empty lists
             if it kept no metrics), ``num_cached_tokens`` per request, ``prefill_tokens`` =
             prompt tokens minus cached ones, ``encoder_calls`` None (vLLM does not report
-            vision-tower runs).
+            vision-tower runs), ``kv`` from :func:`kv_memory` (``peak_held`` None: vLLM
+            counts free cached blocks as free and reports no count of them).
 
         Raises:
             PeerError: the worker failed, died or timed out.
@@ -160,6 +162,7 @@ class VLLMPeer:
             cached_tokens=sum(cached),
             prompt_token_ids=prompts,
             num_cached_tokens=cached,
+            kv=kv_memory(self.info, reply["kv_cache_usage"]["peak"]),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -297,13 +300,42 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def kv_memory(info: dict, peak_usage: float | None) -> KVMemory:
+    """vLLM's pool as a :class:`~minirad.bench.engine.KVMemory`: bytes from the KV tensors its
+    model worker allocated (``info["kv_cache_tensors"]``, ``num_gpu_blocks`` blocks each),
+    usable tokens without the null block, and ``peak_usage`` (the most
+    ``SchedulerStats.kv_cache_usage`` sampled, a fraction of the usable blocks; None: no
+    sample) in tokens of whole blocks.
+
+    Raises:
+        PeerError: a tensor has no dimension of ``num_gpu_blocks``, or the tensors do not
+            divide into ``num_gpu_blocks`` blocks of ``block_size`` tokens.
+    """
+    blocks, block_size = info["num_gpu_blocks"], info["block_size"]
+    tensors = info["kv_cache_tensors"]
+    pool_bytes = sum(math.prod(t["shape"]) * t["element_size"] for t in tensors)
+    bytes_per_token, rest = divmod(pool_bytes, blocks * block_size)
+    if rest or not tensors or any(blocks not in t["shape"] for t in tensors):
+        raise PeerError(f"vLLM's KV tensors {tensors} are not {blocks} blocks of {block_size}")
+    usable = blocks - 1  # block 0 is vLLM's null block
+    return KVMemory(
+        bytes_per_token=bytes_per_token,
+        pool_tokens=usable * block_size,
+        pool_bytes=pool_bytes,
+        block_size=block_size,
+        peak_usage=None if peak_usage is None else round(peak_usage * usable) * block_size,
+        peak_held=None,
+    )
+
+
 def describe_threads(info: dict) -> str:
     """vLLM's pool, then one line per process of the worker (its front end first, then the
     engine core and the model worker vLLM started): threads, the CPUs they may run on, and
     the OpenMP / vLLM thread variables vLLM set in its environment (``info`` as in
     :attr:`VLLMPeer.info`)."""
     lines = [
-        f"{info['num_gpu_blocks']} blocks of {info['block_size']} tokens, max_num_seqs "
+        f"{info['num_gpu_blocks']} blocks of {info['block_size']} tokens (vLLM logs "
+        f"{info['kv_cache_size_tokens']} tokens), max_num_seqs "
         f"{info['max_num_seqs']}, VLLM_CPU_OMP_THREADS_BIND={info['omp_threads_bind']}; "
         "its processes:"
     ]

@@ -110,9 +110,36 @@ class ChatTrace:
             last[r.conversation] = r
         return sum(_ceil_to(len(r.prompt) + len(r.output), page_size) for r in last.values())
 
+    def unique_tokens(self) -> int:
+        """Distinct token positions of all ``prompt + output`` sequences, in tokens: the nodes
+        of an uncompressed trie of them, i.e. what a cache that never evicts would hold.
+
+        Pool sizes are quoted as a fraction of this (``--capacity-frac``), as the anchor
+        harness (``../shared/anchor-bench``) does. Sort the sequences; each adds its length
+        minus its longest common prefix with the one before it.
+        """
+        seqs = sorted(r.prompt + r.output for r in self.requests)
+        total, prev = 0, []
+        for seq in seqs:
+            total += len(seq) - _common_prefix_len(prev, seq)
+            prev = seq
+        return total
+
 
 def _ceil_to(n: int, page_size: int) -> int:
     return -(-n // page_size) * page_size
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Bisect on slice equality, so that the token compares run in C, not in a Python loop."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _length(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:

@@ -17,7 +17,8 @@ then that many bytes of msgpack. Commands arrive on stdin as maps with an ``op``
 - ``{"op": "generate", "requests": [{"prompt": str, "images": [PNG bytes, ...]}, ...],
   "max_tokens": int, "ignore_eos": bool}``: greedy, all requests in one ``LLM.generate``
   call. Reply ``{"ok": true, "seconds": float, "outputs": [...]}`` where ``seconds`` is the
-  wall time of the ``generate`` call (PNG decoding excluded) and each output is
+  wall time of the ``generate`` call (PNG decoding excluded), ``kv_cache_usage`` is
+  ``{"peak": float | None, "samples": int}`` (see :class:`_UsageSampler`) and each output is
   ``{"token_ids", "prompt_token_ids", "num_cached_tokens", "finish_reason", "ttft",
   "ttft_from_start"}``. ``ttft``: vLLM's own ``RequestOutput.metrics.first_token_latency``,
   seconds from the request's arrival (stamped as the front end starts preprocessing it, after
@@ -136,9 +137,54 @@ def _process(pid: int) -> dict:
     return {"pid": pid, "name": name, "threads": sum(cpus.values()), "cpus": dict(cpus), "env": env}
 
 
-def _info(llm) -> dict:
-    """vLLM's version and pool, this process's torch threads, and every process of the
-    engine (this one, the engine core, its workers) as :func:`_process` sees it."""
+def _kv_cache_tensors(worker) -> list[dict]:
+    """Shape and element size of each KV tensor the model worker allocated (runs there, by
+    ``collective_rpc``): the physical pool, not vLLM's estimate of it."""
+    return [
+        {"shape": list(t.shape), "element_size": t.element_size()}
+        for t in worker.model_runner.kv_caches
+    ]
+
+
+class _UsageSampler:
+    """The peak of vLLM's ``SchedulerStats.kv_cache_usage`` (blocks running requests hold /
+    usable blocks), fed by the front end's stat loggers: the engine core computes it after
+    every step, once that step's finished requests are freed, and sends it with the step's
+    outputs (``Scheduler.make_stats``, ``LLMEngine.step``)."""
+
+    def __init__(self, llm) -> None:
+        from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter, StatLoggerBase
+
+        sampler = self
+
+        class Logger(StatLoggerBase):  # vLLM's interface for custom stat loggers
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    sampler.samples += 1
+                    sampler.peak = max(sampler.peak or 0.0, scheduler_stats.kv_cache_usage)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        # LLM() takes no stat loggers (LLMEngine.from_engine_args does): join its manager's.
+        manager = llm.llm_engine.logger_manager
+        manager.stat_loggers.append(
+            PerEngineStatLoggerAdapter(llm.llm_engine.vllm_config, manager.engine_indexes, Logger)
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak: float | None = None
+        self.samples = 0
+
+
+def _info(llm, kv_cache_tensors: list[dict]) -> dict:
+    """vLLM's version and pool (its KV tensors as :func:`_kv_cache_tensors` read them), this
+    process's torch threads, and every process of the engine (this one, the engine core, its
+    workers) as :func:`_process` sees it."""
     import torch
     import vllm
     from vllm import envs
@@ -154,6 +200,8 @@ def _info(llm) -> dict:
         "vllm_version": vllm.__version__,
         "block_size": config.cache_config.block_size,
         "num_gpu_blocks": config.cache_config.num_gpu_blocks,
+        "kv_cache_size_tokens": config.cache_config.kv_cache_size_tokens,  # as vLLM logs it
+        "kv_cache_tensors": kv_cache_tensors,
         "max_num_seqs": config.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
         "frontend_torch_threads": torch.get_num_threads(),
@@ -162,7 +210,7 @@ def _info(llm) -> dict:
     }
 
 
-def _generate(llm, command: dict) -> dict:
+def _generate(llm, usage: _UsageSampler, command: dict) -> dict:
     from PIL import Image
     from vllm import SamplingParams
 
@@ -180,10 +228,12 @@ def _generate(llm, command: dict) -> dict:
         max_tokens=int(command["max_tokens"]),
         ignore_eos=bool(command.get("ignore_eos", False)),
     )
+    usage.reset()
     wall0 = time.time()
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    kv_cache_usage = {"peak": usage.peak, "samples": usage.samples}
     outputs = []
     for r in results:
         metrics = r.metrics
@@ -201,7 +251,7 @@ def _generate(llm, command: dict) -> dict:
                 "ttft_from_start": from_start,
             }
         )
-    return {"ok": True, "seconds": seconds, "outputs": outputs}
+    return {"ok": True, "seconds": seconds, "kv_cache_usage": kv_cache_usage, "outputs": outputs}
 
 
 def _reset(llm) -> dict:
@@ -237,6 +287,9 @@ def main() -> int:
     args = parser.parse_args()
     # vLLM's CPU backend wants 0.92 of a NUMA node's memory for KV unless told (GiB).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # collective_rpc sends _kv_cache_tensors, a function, which vLLM pickles only when allowed;
+    # its engine core listens on this machine's IPC sockets only.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     channel = _Channel(sys.stdin.buffer, reply_fd)
     from vllm import LLM
@@ -251,9 +304,11 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         seed=args.seed,
-        disable_log_stats=False,  # keeps RequestOutput.metrics (the TTFT)
+        disable_log_stats=False,  # keeps RequestOutput.metrics (the TTFT) and SchedulerStats
     )
-    channel.send({"ok": True, "ready": True, "info": _info(llm)})
+    usage = _UsageSampler(llm)
+    (kv_cache_tensors,) = llm.llm_engine.collective_rpc(_kv_cache_tensors)  # one worker
+    channel.send({"ok": True, "ready": True, "info": _info(llm, kv_cache_tensors)})
     while True:
         try:
             command = channel.receive()
@@ -269,11 +324,11 @@ def main() -> int:
             return 0
         try:
             if op == "generate":
-                reply = _generate(llm, command)
+                reply = _generate(llm, usage, command)
             elif op == "reset_prefix_cache":
                 reply = _reset(llm)
             elif op == "info":
-                reply = {"ok": True, "info": _info(llm)}
+                reply = {"ok": True, "info": _info(llm, kv_cache_tensors)}
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as e:  # reported to the client; the engine may still serve

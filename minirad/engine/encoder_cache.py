@@ -9,6 +9,10 @@ already covers an image needs no features for it at all: the engine asks this ca
 images that overlap the tokens it computes.
 
 Capacity is in feature rows (= placeholder tokens), least recently used out first.
+
+The cache also remembers which images it has ever encoded (:meth:`EncoderCache.was_encoded`):
+an image never encoded cannot have KV in the radix tree, so the first request that computes it
+will need its features; the model runner uses that to encode such images ahead of time.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class EncoderCache:
         self.capacity = capacity
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._rows = 0
+        self._encoded: set[str] = set()  # every hash ever put
+        self._ahead: set[str] = set()  # encoded ahead and not used yet: its first get is no hit
         self.num_encoder_calls = 0
         self.num_hits = 0
         self.num_evictions = 0
@@ -49,23 +55,40 @@ class EncoderCache:
         feats = self._entries.get(mm_hash)
         if feats is not None:
             self._entries.move_to_end(mm_hash)
-            self.num_hits += 1
+            if mm_hash in self._ahead:  # the use it was encoded for: no run saved
+                self._ahead.discard(mm_hash)
+            else:
+                self.num_hits += 1
         return feats
 
-    def put(self, mm_hash: str, feats: torch.Tensor) -> None:
+    def put(self, mm_hash: str, feats: torch.Tensor, ahead: bool = False) -> None:
         """Store freshly encoded ``[num_tokens, hidden]`` features (counted as one encoder
         call), evicting least recently used entries to make room. Features larger than the
-        whole capacity are not kept."""
+        whole capacity are not kept. ``ahead``: encoded before any request asked for them;
+        the first :meth:`get` then counts as the use they were encoded for, not as a hit."""
         self.num_encoder_calls += 1
+        self._encoded.add(mm_hash)
         rows = feats.shape[0]
         if rows > self.capacity or mm_hash in self._entries:
             return
         while self._rows + rows > self.capacity:
-            _, old = self._entries.popitem(last=False)
+            evicted, old = self._entries.popitem(last=False)
+            self._ahead.discard(evicted)
             self._rows -= old.shape[0]
             self.num_evictions += 1
         self._entries[mm_hash] = feats
         self._rows += rows
+        if ahead:
+            self._ahead.add(mm_hash)
+
+    def was_encoded(self, mm_hash: str) -> bool:
+        """Whether :meth:`put` was ever given these features (stored or not)."""
+        return mm_hash in self._encoded
+
+    @property
+    def free_rows(self) -> int:
+        """Rows that can be stored without evicting anything."""
+        return self.capacity - self._rows
 
     def __contains__(self, mm_hash: str) -> bool:
         return mm_hash in self._entries
@@ -79,8 +102,10 @@ class EncoderCache:
         return self._rows
 
     def clear(self) -> None:
-        """Drop every entry (counters stay)."""
+        """Drop every entry (counters and the record of encoded images stay: the tree may
+        still hold their KV)."""
         self._entries.clear()
+        self._ahead.clear()
         self._rows = 0
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ engine never changes torch's global settings, so set it in the calling program.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -36,7 +37,7 @@ from ..radix_cache import RadixCache
 from ..sampling_params import SamplingParams
 from ..vllm_env import VLLM_BLOCK_SIZE
 from .encoder_cache import EncoderCache
-from .model_runner import ModelRunner
+from .model_runner import PREFETCH_LOOKAHEAD, ModelRunner
 from .processing import InputProcessor
 from .request import GenerateRequest, Request, RequestOutput
 from .sampling import sample
@@ -275,7 +276,8 @@ class LLMEngine:
             if self.scheduler.has_unfinished_requests():  # cannot happen: guards a busy loop
                 raise InvariantError("unfinished requests but nothing could be scheduled")
             return []
-        logits = self.model_runner.execute_model(out)
+        waiting = itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD)
+        logits = self.model_runner.execute_model(out, (im for r in waiting for im in r.images))
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         requests = [out.scheduled[i].request for i in rows]
         tokens = sample(
