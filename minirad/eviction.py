@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
 from .errors import InvalidArgumentError
+from .tokens import as_token_ids
 
 if TYPE_CHECKING:
     from .radix_cache import TreeNode
@@ -74,28 +73,28 @@ class ClosedSessionLRUPolicy:
     The mark is read from a leaf's last slot, which holds the leaf's newest token. The caller
     marks a closing session's own slots (not a shared prefix such as its system prompt) before
     :meth:`RadixCache.cache_finished_req` makes them evictable, and clears slots that the
-    allocator hands out again with :meth:`reopen` (a mark must not change while a leaf waits
-    in the eviction heap).
+    allocator hands out again with :meth:`reopen`. (A mark that changes while its leaf is
+    already evictable takes effect when eviction next reaches the leaf's old place.)
 
-    Args:
-        size: the KV pool size in slots.
+    Raises:
+        InvalidKeyError: from :meth:`close` / :meth:`reopen`, slots that are not ints >= 0.
     """
 
     name = "lru-closed"
 
-    def __init__(self, size: int) -> None:
-        self.closed = np.zeros(size, dtype=bool)
+    def __init__(self) -> None:
+        self.closed: set[int] = set()  # a set, not a mask: slot ids of any size, C-speed updates
 
     def close(self, slots: Sequence[int]) -> None:
         """Mark ``slots`` as tokens of a closed session."""
-        self.closed[list(slots)] = True
+        self.closed.update(as_token_ids(slots, "slots"))
 
     def reopen(self, slots: Sequence[int]) -> None:
         """Clear the mark of freshly allocated ``slots``."""
-        self.closed[list(slots)] = False
+        self.closed.difference_update(as_token_ids(slots, "slots"))
 
     def priority(self, node: TreeNode) -> tuple[int, ...]:
-        return (0 if self.closed[node.value[-1]] else 1, node.last_access_time, node.id)
+        return (0 if node.value[-1] in self.closed else 1, node.last_access_time, node.id)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {

@@ -168,6 +168,10 @@ class TokenToKVPoolAllocator:
         page_size: tokens per page (= ``block_size`` of the :class:`KVCache`).
         bus: event bus for :class:`AllocEvent` / :class:`FreeEvent` (a private one if None).
 
+    Raises:
+        InvalidArgumentError: ``size`` is not a positive multiple of ``page_size``, or too
+            large for this machine's memory.
+
     Attributes:
         cache_owned: ``[size]`` bool, set and cleared by the :class:`~minirad.RadixCache` over
             this allocator for the slots it holds; :meth:`free` refuses them (at once).
@@ -186,10 +190,13 @@ class TokenToKVPoolAllocator:
         self.size, self.page_size = size, page_size
         self.num_pages = size // page_size
         self.bus = bus if bus is not None else EventBus()
-        self.cache_owned = np.zeros(size, dtype=bool)
-        # One int object per slot, handed out again and again: gathering them (C) beats
-        # making new ints and freeing them on eviction by 12% on noreuse, 9% on chat.
-        self._slot_ints = np.arange(size, dtype=object)
+        try:
+            self.cache_owned = np.zeros(size, dtype=bool)
+            # One int object per slot, handed out again and again: gathering them (C) beats
+            # making new ints and freeing them on eviction by 12% on noreuse, 9% on chat.
+            self._slot_ints = np.arange(size, dtype=object)
+        except (MemoryError, ValueError) as e:  # beyond this machine's memory, or numpy's sizes
+            raise InvalidArgumentError(f"cannot hold a pool of {size:,} slots here ({e})") from None
         self.clear()
 
     def clear(self) -> None:
@@ -302,6 +309,8 @@ class TokenToKVPoolAllocator:
                 self._raise_bad_free(slots)
             arr = slots
         else:
+            if isinstance(slots, bytes | bytearray | memoryview):  # ints, not 8-byte words
+                slots = list(slots)
             try:  # 'Q' type-checks at C speed (~8x numpy's list conversion); >= 2**63 wraps < 0
                 arr = np.frombuffer(array("Q", slots), np.int64)
             except (TypeError, OverflowError):

@@ -215,9 +215,12 @@ def split_batch(
     kind stays one group.
 
     Raises:
-        InvalidArgumentError: the shapes disagree (see :meth:`AttentionMetadata.build`).
+        InvalidArgumentError: the batch is empty, or the shapes disagree (see
+            :meth:`AttentionMetadata.build`).
     """
     q_lens = query_lens.tolist()
+    if not q_lens:
+        raise InvalidArgumentError("an empty batch has nothing to attend")
     is_decode = [q == 1 for q in q_lens]
     if all(is_decode) or not any(is_decode):
         meta = AttentionMetadata.build(slot_mapping, kv_slots, seq_lens, query_lens, max(q_lens))
@@ -232,7 +235,8 @@ def split_batch(
     for q in q_lens:
         starts.append(starts[-1] + q)
     groups = []
-    for decode in sorted((True, False), key=lambda d: is_decode.index(d)):  # first row first
+    # The two groups in the order of their first rows (decodes first if row 0 decodes).
+    for decode in sorted((True, False), key=is_decode.index):
         seqs = [b for b, d in enumerate(is_decode) if d == decode]
         if seqs == list(range(seqs[0], seqs[-1] + 1)):
             rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])

@@ -24,6 +24,7 @@ prefixes by how often they were *reused*.
 from __future__ import annotations
 
 import heapq
+import numbers
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -77,13 +78,17 @@ def _as_slots(slots: Sequence[int], name: str) -> tuple[list[int], np.ndarray]:
     """
     if type(slots) is not list and hasattr(slots, "tolist"):
         slots = slots.tolist()
+    elif isinstance(slots, bytes | bytearray):  # one slot per byte, not array()'s 8-byte words
+        slots = list(slots)
     try:
         # array("Q") type-checks at C speed and its buffer indexes numpy masks without a copy:
         # numpy's own conversion of a list cost ~100 ns a slot (a third of noreuse).
         checked = array("Q", slots)
     except (TypeError, OverflowError):
         as_token_ids(slots, name)  # raises the precise error...
-        checked = array("Q", [2**64 - 1])  # ...or the ids are >= 2**64: out of every range
+        # ...or some ids are >= 2**64: they become 2**64 - 1, out of every range (same length,
+        # so slicing the array still lines up with the list).
+        checked = array("Q", [min(s, 2**64 - 1) for s in slots])
     return (slots if type(slots) is list else checked.tolist()), np.frombuffer(checked, np.int64)
 
 
@@ -106,6 +111,7 @@ class TreeNode:
             edge matching compares with a C ``memcmp``.
         value_buf: ``value`` as an int64 numpy array, which eviction hands to the registry
             and the allocator without reading each slot's Python int again.
+        heap_seq: the push count of the node's latest entry in the eviction heap.
     """
 
     __slots__ = (
@@ -121,6 +127,7 @@ class TreeNode:
         "extra_key",
         "key_buf",
         "value_buf",
+        "heap_seq",
     )
 
     def __init__(
@@ -144,6 +151,7 @@ class TreeNode:
         self.extra_key = extra_key
         self.key_buf: array | None = None
         self.value_buf = _NO_SLOTS
+        self.heap_seq = 0
 
     @property
     def is_leaf(self) -> bool:
@@ -198,7 +206,7 @@ class Req:
     prefix_indices: list[int] = field(default_factory=list)
     last_node: TreeNode | None = None
     cache_protected_len: int = 0
-    # (origin_input_ids, its length, output_ids, its length, their checked ids, their array)
+    # What checked_fill_ids last checked, to check only what changed since.
     _checked: tuple | None = field(default=None, init=False, repr=False)
 
     @property
@@ -215,29 +223,28 @@ class Req:
         """:attr:`fill_ids` (do not modify it) and the same ids as an ``array("Q")`` (None if
         one needs 64 bits or more).
 
-        Validated once per request: lists are remembered by identity and length, and the
-        ``output_ids`` that an engine appends to are checked only past the tokens checked
-        before (the engine asked for ``fill_ids`` ~10 times a request, each a full check).
-        Assigning new lists checks them again; editing checked ids in place is not seen.
+        Validated once per request (the engine asks for ``fill_ids`` ~10 times a request):
+        lists are compared with copies of what was checked, and the ``output_ids`` that an
+        engine appends to are checked only past that. Any other change (an edit in place, a
+        pop, a new list) checks them again; arrays and tensors are checked every time.
 
         Raises:
             InvalidKeyError: a token id is not an int >= 0.
         """
         origin, out = self.origin_input_ids, self.output_ids
-        c = self._checked
-        if type(origin) is not list or type(out) is not list:
-            c = None  # arrays and tensors: checked every time
-        elif c is not None and (c[0] is not origin or c[1] != len(origin) or c[2] is not out):
-            c = None
-        if c is None or c[3] > len(out):
+        lists = type(origin) is list and type(out) is list
+        c = self._checked if lists else None  # (origin copy, output copy, ids, their array)
+        # list == runs in C and short-cuts on identical ints: a fraction of a new check.
+        if c is None or origin != c[0] or out[: len(c[1])] != c[1]:
             ids, buf = checked_token_ids(origin, "origin_input_ids", plain=True)
-            c = (origin, len(origin), out, 0, ids, buf)
-        if c[3] < len(out):
-            new, new_buf = checked_token_ids(out[c[3] :], "output_ids", plain=True)
-            buf = c[5] + new_buf if c[5] is not None and new_buf is not None else None
-            c = (origin, len(origin), out, len(out), c[4] + new, buf)
-        self._checked = c
-        return c[4], c[5]
+            c = (origin[:] if lists else None, [], ids, buf)
+        seen = len(c[1])
+        if seen < len(out):
+            new, new_buf = checked_token_ids(out[seen:], "output_ids", plain=True)
+            buf = c[3] + new_buf if c[3] is not None and new_buf is not None else None
+            c = (c[0], out[:] if lists else None, c[2] + new, buf)
+        self._checked = c if lists else None
+        return c[2], c[3]
 
 
 class RadixCache:
@@ -611,7 +618,11 @@ class RadixCache:
         bufs = []
         while len(freed) < num_tokens and heap:
             if not self._is_current(heap[0]):  # locked, deleted or touched since its push
-                heapq.heappop(heap)
+                _, _, seq, node = heapq.heappop(heap)
+                # A leaf's latest entry gone stale: its priority changed behind the cache's
+                # back (a policy's own state, ClosedSessionLRUPolicy.close): rank it again.
+                if seq == node.heap_seq and node in self.evictable_leaves:
+                    self._push_evictable(node)
                 continue
             x = heapq.heappop(heap)[3]
             freed += x.value
@@ -640,10 +651,12 @@ class RadixCache:
         # The id breaks ties of a custom policy; the push count makes every entry distinct (a
         # leaf locked and unlocked again has two), so nodes themselves are never compared.
         self._push_count += 1
+        node.heap_seq = self._push_count
         entry = (self.eviction_policy.priority(node), node.id, self._push_count, node)
         heapq.heappush(heap, entry)
         if len(heap) > 4 * len(self.evictable_leaves) + 1024:  # mostly stale: rebuild
-            heap[:] = [e for e in heap if self._is_current(e)]
+            rank = self.eviction_policy.priority
+            heap[:] = [(rank(n), n.id, n.heap_seq, n) for n in self.evictable_leaves]
             heapq.heapify(heap)
 
     def _is_current(self, entry: tuple) -> bool:
@@ -769,9 +782,18 @@ class RadixCache:
 
         Raises:
             LockError: the request already holds a lock.
+            InvalidArgumentError: ``max_prefix_len`` is not an int >= 0 (or None).
         """
         if req.last_node is not None:
             raise LockError(f"request {req.rid} already holds a lock; finish it first")
+        if max_prefix_len is not None and (
+            type(max_prefix_len) is bool
+            or not isinstance(max_prefix_len, numbers.Integral)
+            or max_prefix_len < 0
+        ):  # a negative cap would slice from the end and match nearly everything
+            raise InvalidArgumentError(
+                f"max_prefix_len must be an int >= 0 or None, got {max_prefix_len!r}"
+            )
         _check_extra_key(req.extra_key)
         fill, buf = req.checked_fill_ids()
         cap = max(len(fill) - 1, 0)
@@ -946,8 +968,8 @@ class RadixCache:
             )
         if leaves != self.evictable_leaves:
             fail("evictable-leaf set out of sync with the tree")
-        if leaves != {e[3] for e in self._evict_heap if self._is_current(e)}:
-            fail("an evictable leaf has no current entry in the eviction heap")
+        if not leaves <= {e[3] for e in self._evict_heap if e[2] == e[3].heap_seq}:
+            fail("an evictable leaf has no entry in the eviction heap")
         if alloc is not None and not all(alloc.is_allocated(s) for s in seen):
             fail("the tree owns a slot that the allocator thinks is free")
 

@@ -34,6 +34,8 @@ def checked_token_ids(
     """
     if type(ids) is not list and hasattr(ids, "tolist"):
         ids = ids.tolist()
+    elif isinstance(ids, bytes | bytearray):  # one token per byte, not array()'s 8-byte words
+        ids = list(ids)
     try:
         # An unsigned C array type-checks every element at C speed: floats, strings and None
         # raise TypeError, negative ids OverflowError; tolist() gives back plain ints.

@@ -187,7 +187,7 @@ def test_unique_tokens_and_capacity_fraction(trace):
 
 def test_closed_sessions_go_first():
     pool = TokenToKVPoolAllocator(64)
-    policy = ClosedSessionLRUPolicy(64)
+    policy = ClosedSessionLRUPolicy()
     cache = RadixCache(1, policy, pool)
     old, new = [1, 2, 3], [4, 5, 6]
     old_slots, new_slots = pool.alloc(3), pool.alloc(3)
@@ -396,3 +396,9 @@ def test_cli_radix_with_a_queue():
     assert "wait" in out.stdout and "makespan" in out.stdout
     assert "MIN (Belady, the order lru ran" in out.stdout
     assert _cli("radix", "--schedule", "sjf").returncode == 2
+
+
+def test_cli_refuses_a_schedule_without_a_queue():
+    out = _cli("radix", "--conversations", "10", "--schedule", "lpm", "--no-progress")
+    assert out.returncode == 2
+    assert "--max-running" in out.stderr

@@ -170,3 +170,9 @@ def test_metadata_rejects_inconsistent_shapes():
             torch.tensor([2, 2]),
             2,
         )
+
+
+def test_split_batch_refuses_an_empty_batch():
+    empty = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(InvalidArgumentError):
+        split_batch(empty, torch.zeros(0, 0, dtype=torch.long), empty, empty)

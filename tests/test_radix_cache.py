@@ -588,3 +588,90 @@ def test_evicting_from_a_pool_cleared_under_the_cache_raises() -> None:
     with pytest.raises(UnknownBlockError):
         cache.evict(2)
     assert alloc.available_size() == 8
+
+
+# ----------------------------------------------------------------- found by a new user (issue 12)
+def test_closed_session_policy_takes_any_slot_and_a_late_close_is_not_lost():
+    from minirad.eviction import ClosedSessionLRUPolicy
+
+    policy = ClosedSessionLRUPolicy()
+    cache = RadixCache(1, policy)
+    cache.insert([1, 2], [0, 1])
+    cache.insert([3, 4, 5, 6, 7, 8], [2, 3, 4, 5, 1000, 10**6])  # slots of any size
+    policy.close([10**6])  # after the leaf became evictable: it must still be evicted
+    cache.check_invariants()
+    assert sorted(cache.evict(8)) == [0, 1, 2, 3, 4, 5, 1000, 10**6]
+    assert cache.evictable_size() == 0
+    cache.check_invariants()
+    for bad in ([-1], [1.5], None, 5, ["x"]):
+        with pytest.raises(InvalidKeyError):
+            policy.close(bad)
+
+
+def test_closed_leaf_goes_first():
+    from minirad.eviction import ClosedSessionLRUPolicy
+
+    policy = ClosedSessionLRUPolicy()
+    cache = RadixCache(1, policy)
+    cache.insert([1, 2], [0, 1])  # older: plain LRU would take it first
+    policy.close([3])
+    cache.insert([3, 4], [2, 3])
+    assert cache.evict(1) == [2, 3]
+
+
+def test_fill_ids_sees_every_change_after_a_check():
+    alloc = TokenToKVPoolAllocator(32)
+    cache = RadixCache(1, "lru", alloc)
+    req = Req("r", [1, 2, 3])
+    cache.match_prefix_for_req(req)
+    req.output_ids = [4, 5]
+    assert req.fill_ids == [1, 2, 3, 4, 5]
+    req.output_ids.pop()
+    req.output_ids.append(99)  # same list, same length, another token
+    assert req.fill_ids == [1, 2, 3, 4, 99]
+    req.output_ids[0] = -5  # an edit in place
+    req.kv_indices += alloc.alloc(4)
+    with pytest.raises(InvalidKeyError):
+        cache.cache_finished_req(req)
+    req.output_ids[0] = 4
+    req.origin_input_ids[1] = 2.5
+    with pytest.raises(InvalidKeyError):
+        cache.cache_finished_req(req)
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("cap", [-1, -3, True, 1.5, "x"])
+def test_bad_max_prefix_len_is_refused(cap):
+    cache = RadixCache()
+    cache.insert(list(range(1, 9)), list(range(8)))
+    req = Req("r", list(range(1, 10)))
+    with pytest.raises(InvalidArgumentError):
+        cache.match_prefix_for_req(req, max_prefix_len=cap)
+    assert req.last_node is None and cache.protected_size() == 0
+
+
+def test_bytes_are_one_token_or_slot_per_byte():
+    alloc = TokenToKVPoolAllocator(16)
+    cache = RadixCache(1, "lru", alloc)
+    slots = alloc.alloc(5)
+    assert cache.insert(b"hello", bytes(slots)) == 0
+    assert cache.match_prefix(bytearray(b"help")).indices == slots[:3]
+    cache.check_invariants()
+    alloc.free(bytes(alloc.alloc(1)))  # one slot, not an 8-byte word
+    with pytest.raises(InvalidKeyError):
+        alloc.free(bytes(slots[:1]))  # the tree's
+
+
+def test_a_slot_of_64_bits_after_a_cached_prefix_is_refused():
+    cache = RadixCache()
+    cache.insert([1, 2], [0, 1])
+    with pytest.raises(InvalidKeyError):
+        cache.insert([1, 2, 3, 4], [0, 1, 5, 2**64])
+    cache.check_invariants()
+    assert cache.total_size() == 2
+
+
+@pytest.mark.parametrize("size", [10**20, 10**12])
+def test_a_pool_too_big_for_memory_is_a_typed_error(size):
+    with pytest.raises(InvalidArgumentError):
+        TokenToKVPoolAllocator(size)

@@ -24,7 +24,7 @@ from ..errors import MiniradError
 __all__ = ["build_parser", "main"]
 
 _COMMANDS = {  # subcommand (= module name) -> help
-    "radix": "radix-cache hit rate, throughput and %% of optimal on a multi-turn chat trace",
+    "radix": "radix-cache hit rate, throughput and % of optimal on a multi-turn chat trace",
     "engine": "our engine against HF generate() (and the real vLLM: --peer vllm) on VLM requests",
 }
 
@@ -45,7 +45,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name, help_ in _COMMANDS.items():
         p = sub.add_parser(
             name,
-            help=help_,
+            help=help_.replace("%", "%%"),  # help is %-formatted, a description is not
             description=help_,
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )

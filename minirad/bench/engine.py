@@ -603,7 +603,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--unique", type=positive_int, default=64, help="workload (b) requests")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="requests in flight")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument(
+        "--max-new-tokens", type=positive_int, default=16, help="most tokens each answer may get"
+    )
     parser.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool, tokens")
     parser.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenes")
@@ -631,12 +633,14 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run ``python -m minirad.bench engine``: print the report; exit 1 if answers differ.
 
     Raises:
-        InvalidArgumentError: no model folder.
+        InvalidArgumentError: no model folder, or ``--peer-num-gpu-blocks`` without a peer.
         PeerError: ``--peer vllm`` without the vLLM venv (the message says how to build it),
             or the vLLM worker failed.
     """
     if not Path(args.model).is_dir():
         raise InvalidArgumentError(f"model folder {args.model!r} not found")
+    if args.peer_num_gpu_blocks is not None and args.peer is None:
+        raise InvalidArgumentError("--peer-num-gpu-blocks sizes the peer's pool: give --peer")
     torch.set_num_threads(args.threads)
     transformers.logging.disable_progress_bar()  # "Loading weights" bars would mix with the report
     with contextlib.ExitStack() as stack:

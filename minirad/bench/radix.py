@@ -206,7 +206,7 @@ class _Lifecycle:
         self.alloc = TokenToKVPoolAllocator(capacity, page_size)
         closing = None
         if policy == ClosedSessionLRUPolicy.name:
-            closing = ClosedSessionLRUPolicy(capacity)
+            closing = ClosedSessionLRUPolicy()
         self.closing = closing
         self.cache = (
             None if policy is None else RadixCache(page_size, closing or policy, self.alloc)
@@ -691,7 +691,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--capacity-frac",
         type=_fraction,
         default=None,
-        help="KV pool size as a fraction of the trace's unique tokens (overrides --capacity), "
+        help="KV pool size as a fraction of the trace's unique tokens (instead of --capacity), "
         "rounded down to whole pages and raised to what the running requests need",
     )
     parser.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
@@ -705,7 +705,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-running",
         type=positive_int,
         default=None,
-        help="run at most N requests at once; the others wait in a queue (default: no queue, "
+        help="run at most N requests at once; the others wait in a queue (None: no queue, "
         "every request starts when it arrives)",
     )
     parser.add_argument(
@@ -746,10 +746,18 @@ def capacity_for_fraction(trace: ChatTrace, fraction: float, page_size: int = 1)
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``python -m minirad.bench radix``: print the report, return the exit code."""
+    if args.schedule != "fcfs" and args.max_running is None:
+        raise InvalidArgumentError(f"--schedule {args.schedule} orders a queue: give --max-running")
     trace = make_chat_trace(args.conversations, args.turns, args.seed)
     capacity = args.capacity
     if args.capacity_frac is not None:
         capacity = capacity_for_fraction(trace, args.capacity_frac, args.page_size)
+        wanted = int(args.capacity_frac * trace.unique_tokens())
+        if capacity > wanted:
+            print(
+                f"note: --capacity-frac {args.capacity_frac} gives {wanted:,} tokens; raised to "
+                f"{capacity:,}, what the running requests of this trace hold at once"
+            )
     bench = run_radix_benchmark(
         trace,
         capacity,
