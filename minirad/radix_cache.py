@@ -53,7 +53,7 @@ from .events import (
 )
 from .eviction import EvictionPolicy, get_policy
 from .kv_pool import TokenToKVPoolAllocator
-from .tokens import as_token_ids, checked_token_ids
+from .tokens import checked_token_ids
 
 __all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
 
@@ -70,26 +70,17 @@ _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
 def _as_slots(slots: Sequence[int], name: str) -> tuple[list[int], np.ndarray]:
-    """``slots`` as a list and as an int64 array of the same ids (ids of 2**63 or more wrap to
-    negative numbers, which every range check refuses).
+    """``slots`` as a list and as an int64 array of the same ids, viewing the array that
+    validation builds (numpy's own conversion of a list cost ~100 ns a slot, a third of
+    noreuse). Ids of 2**63 or more become negative, which every range check refuses.
 
     Raises:
         InvalidKeyError: a slot is not an int >= 0.
     """
-    if type(slots) is not list and hasattr(slots, "tolist"):
-        slots = slots.tolist()
-    elif isinstance(slots, bytes | bytearray):  # one slot per byte, not array()'s 8-byte words
-        slots = list(slots)
-    try:
-        # array("Q") type-checks at C speed and its buffer indexes numpy masks without a copy:
-        # numpy's own conversion of a list cost ~100 ns a slot (a third of noreuse).
-        checked = array("Q", slots)
-    except (TypeError, OverflowError):
-        as_token_ids(slots, name)  # raises the precise error...
-        # ...or some ids are >= 2**64: they become 2**64 - 1, out of every range (same length,
-        # so slicing the array still lines up with the list).
-        checked = array("Q", [min(s, 2**64 - 1) for s in slots])
-    return (slots if type(slots) is list else checked.tolist()), np.frombuffer(checked, np.int64)
+    ids, checked = checked_token_ids(slots, name)
+    if checked is None:  # some ids are >= 2**64: 2**64 - 1 keeps the array as long as the list
+        checked = array("Q", [min(s, 2**64 - 1) for s in ids])
+    return ids, np.frombuffer(checked, np.int64)
 
 
 class TreeNode:
