@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "FreeKVCacheBlockQueue": "block_pool",
     "KVCacheBlock": "block_pool",
     "KVCacheManager": "kv_cache_manager",
+    "GrammarError": "errors",
     "ImageError": "errors",
     "InvalidArgumentError": "errors",
     "InvalidKeyError": "errors",

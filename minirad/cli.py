@@ -4,6 +4,8 @@ Usage::
 
     minirad generate --image data/images/orange_square.png --prompt "What colour is the square?"
     minirad generate --image a.png --prompt "Describe the image." --stream --temperature 0.8
+    minirad generate --image a.png --prompt "List the shapes as JSON." --json-schema shapes.json
+    minirad generate --image a.png --prompt "What colour is the circle?" --choice red blue
     minirad batch requests.jsonl --prefix-strategy radix --page-size 4
 
 ``batch`` reads one JSON object per line::
@@ -12,9 +14,19 @@ Usage::
 
 ``images`` are paths relative to the JSONL file; the optional sampling fields are those of
 :class:`~minirad.engine.SamplingParams` (``max_new_tokens``, ``temperature``, ``top_k``,
-``top_p``, ``seed``). It prints every answer with its finish reason, then what the radix
-cache and the encoder cache saved over the whole batch (the engine's
-:class:`~minirad.engine.EngineStats`).
+``top_p``, ``seed``) and at most one structured-output constraint (``json_schema``: the
+schema object itself, ``regex``: a string, ``choice``: a list of strings). It prints every
+answer with its finish reason, then what the radix cache and the encoder cache saved over the
+whole batch (the engine's :class:`~minirad.engine.EngineStats`).
+
+Structured output (:mod:`minirad.grammar`): ``generate --json-schema FILE`` (a JSON schema in
+a file), ``--regex REGEX`` (a full match, Rust ``regex`` syntax) or ``--choice A B ...`` (one
+of the words), at most one of them, as ``SamplingParams(json_schema=..., regex=...,
+choice=...)``. The flags and the schema file are checked before the model loads (a file that
+is missing or not a JSON object, an empty choice); the grammar itself is compiled when the
+engine takes the request (a regex that does not parse, a schema no value satisfies). An
+answer cut at the length limit says whether it is complete (JSON that does not parse, a word
+that is not one of the choices).
 
 Inputs, the same rules for both commands:
 
@@ -32,7 +44,8 @@ Inputs, the same rules for both commands:
 ``generate`` prints the answer on stdout and its finish reason on stderr, as vLLM and the
 OpenAI API report it: ``stop`` (a stop token) or ``length`` (``--max-new-tokens`` reached,
 or the context full at the model's ``max_model_len``). Any error (missing model or image,
-bad JSONL line, bad setting) prints one line on stderr and exits with status 2.
+bad JSONL line, bad setting, bad schema or regex) prints one line on stderr and exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from .argtypes import positive_int, prompt_text, sampling_arg
-from .errors import ImageError, InvalidArgumentError, MiniradError, RequestError
+from .errors import GrammarError, ImageError, InvalidArgumentError, MiniradError, RequestError
 from .sampling_params import SamplingParams
 from .vllm_server import DEFAULT_MODEL_DIR
 
@@ -61,8 +74,10 @@ __all__ = [
     "check_image",
     "check_model_dir",
     "check_prompt",
+    "cut_note",
     "finish_note",
     "load_requests",
+    "load_schema",
     "main",
     "RequestLine",
     "run_batch",
@@ -70,6 +85,8 @@ __all__ = [
 
 # The per-request fields a JSONL line may set (besides "prompt" and "images").
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+# The structured-output constraints (SamplingParams' names, at most one per request).
+STRUCTURED_FIELDS = ("json_schema", "regex", "choice")
 # What each JSONL field holds, for `minirad batch --help` and the unknown-field message.
 JSONL_FIELDS = {
     "prompt": "the question (required; a non-space character; no '<image>' without --raw)",
@@ -79,6 +96,9 @@ JSONL_FIELDS = {
     "top_k": "int >= 0 (0: off)",
     "top_p": "float in (0, 1] (1: off)",
     "seed": "int: this request's own sampling seed",
+    "json_schema": "JSON schema object: the answer is compact JSON valid against it",
+    "regex": "string: the answer fully matches this regex (Rust regex syntax)",
+    "choice": "list of strings: the answer is one of them",
 }
 # The engine's choices (minirad.engine.PREFIX_STRATEGIES and POLICIES), spelled here so that
 # --help and a bad choice answer without importing torch; test_cli checks they agree.
@@ -239,6 +259,9 @@ def load_requests(path: str | Path, max_new_tokens: int = 32) -> list[RequestLin
         RequestError: unreadable file, or a line that is not a JSON object with a ``prompt``
             string holding a non-space character, a list of string ``images`` and only valid
             sampling fields (the message names the line).
+        GrammarError: a line with two constraints, a ``json_schema`` that is not an object,
+            an empty ``regex`` or ``choice`` (the message names the line; the grammar itself
+            is compiled by the engine).
         ImageError: an image :func:`check_image` refuses (the message names the line).
 
     The whole file is checked before the engine is imported (which takes seconds).
@@ -270,12 +293,12 @@ def load_requests(path: str | Path, max_new_tokens: int = 32) -> list[RequestLin
         if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
             raise RequestError(f"{where}: 'images' must be a list of paths")
         fields = {"max_new_tokens": max_new_tokens} | {
-            k: obj[k] for k in SAMPLING_FIELDS if k in obj
+            k: obj[k] for k in (*SAMPLING_FIELDS, *STRUCTURED_FIELDS) if k in obj
         }
         try:
             params = SamplingParams(**fields)
-        except RequestError as e:
-            raise RequestError(f"{where}: {e}") from None
+        except RequestError as e:  # GrammarError included: the same type, the line named
+            raise type(e)(f"{where}: {e}") from None
         paths = [path.parent / p for p in images]
         for written, p in zip(images, paths, strict=True):
             check_image(p, f"{where}: ", written)
@@ -283,6 +306,34 @@ def load_requests(path: str | Path, max_new_tokens: int = 32) -> list[RequestLin
     if not checked:
         raise RequestError(f"{path}: no requests")
     return checked
+
+
+def load_schema(path: str | Path) -> dict:
+    """The JSON schema in the file ``path`` (for ``--json-schema``), read before the model
+    loads.
+
+    Raises:
+        RequestError: the file cannot be read (missing, a directory, not UTF-8).
+        GrammarError: the file is not JSON, or its JSON is not an object (a schema is one).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise RequestError(f"cannot read JSON schema file {str(path)!r}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise RequestError(f"cannot read JSON schema file {str(path)!r}: not UTF-8") from e
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(
+            f"JSON schema file {str(path)!r} is not JSON: {e.msg} at line {e.lineno} "
+            f"column {e.colno}"
+        ) from e
+    if not isinstance(schema, dict):
+        raise GrammarError(
+            f"JSON schema file {str(path)!r} holds a {type(schema).__name__}, not a schema object"
+        )
+    return schema
 
 
 def _load_engine(args: argparse.Namespace, **settings) -> LLMEngine:
@@ -323,12 +374,19 @@ def _request(
     return GenerateRequest(prompt, [str(p) for p in images], params)
 
 
-def finish_note(out: RequestOutput, max_new_tokens: int, max_model_len: int) -> str:
+def finish_note(
+    out: RequestOutput,
+    max_new_tokens: int,
+    max_model_len: int,
+    params: SamplingParams | None = None,
+) -> str:
     """Why a request's generation stopped, in words: ``"finish_reason: stop (...)"`` or
     ``"finish_reason: length (...)"`` (vLLM's and OpenAI's names), with the token counts.
 
     ``length`` names its cause: ``max_new_tokens`` reached, or the context full
-    (prompt + output tokens == ``max_model_len``) before it.
+    (prompt + output tokens == ``max_model_len``) before it. With a constraint in ``params``
+    (the request's sampling parameters), a ``length`` note also says what the cut answer is
+    (:func:`cut_note`).
     """
     n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
     if out.finish_reason == "length" and n_out < max_new_tokens:
@@ -342,7 +400,37 @@ def finish_note(out: RequestOutput, max_new_tokens: int, max_model_len: int) -> 
         why = f"stop token after {n_out} tokens"
     else:
         why = f"{n_out} tokens"
-    return f"finish_reason: {out.finish_reason} ({why})"
+    note = f"finish_reason: {out.finish_reason} ({why})"
+    if out.finish_reason == "length" and params is not None:
+        if cut := cut_note(out.text, params):
+            note += f"; {cut}"
+    return note
+
+
+def cut_note(text: str, params: SamplingParams) -> str | None:
+    """What an answer cut at the length limit is with respect to its constraint, or None
+    (no constraint).
+
+    The grammar only ever allowed prefixes of valid answers, so a cut answer is usually
+    incomplete: JSON that does not parse, or a word that is not (yet) one of the choices.
+    A cut answer may also be complete, with only its stop token cut off (the limit fell
+    right after the last character); the note then says so. A regex answer is not checked
+    here (Python's ``re`` is not the grammar's Rust syntax): the note says it may be partial.
+    """
+    kind = params.structured_output_kind
+    if kind == "json_schema":
+        try:
+            json.loads(text)
+        except ValueError:
+            return "the output is cut: it is not valid JSON (raise --max-new-tokens)"
+        return "the JSON is complete, only its stop token was cut"
+    if kind == "choice":
+        if text in params.choice:
+            return "the choice is complete, only its stop token was cut"
+        return "the output is cut: it is not one of the choices (raise --max-new-tokens)"
+    if kind == "regex":
+        return "the output is cut: it may be only a prefix of a regex match"
+    return None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -353,7 +441,12 @@ def _generate(args: argparse.Namespace) -> int:
     check_prompt(args.prompt, len(images), args.raw, _image_token(model_dir))
     if len(images) > 1 and not args.raw:
         _images_note(args.command, model_dir, len(images))
-    params = SamplingParams(**{k: getattr(args, k) for k in SAMPLING_FIELDS})
+    params = SamplingParams(
+        **{k: getattr(args, k) for k in SAMPLING_FIELDS},
+        json_schema=None if args.json_schema is None else load_schema(args.json_schema),
+        regex=args.regex,
+        choice=args.choice,
+    )
     engine = _load_engine(args)
     request = _request(engine, args.prompt, images, args.raw, params)
     if not images:
@@ -365,7 +458,7 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         out = engine.generate([request])[0]
         print(out.text)
-    print(finish_note(out, params.max_new_tokens, engine.max_model_len), file=sys.stderr)
+    print(finish_note(out, params.max_new_tokens, engine.max_model_len, params), file=sys.stderr)
     return 0
 
 
@@ -518,7 +611,7 @@ def _batch(args: argparse.Namespace) -> int:
         raise RequestError(f"{e}; raise --num-kv-slots (now {args.num_kv_slots})") from e
     for i, (line, out) in enumerate(zip(lines, outs, strict=True)):
         about = f" ({', '.join(p.name for p in line.images)})" if line.images else ""
-        note = finish_note(out, line.params.max_new_tokens, engine.max_model_len)
+        note = finish_note(out, line.params.max_new_tokens, engine.max_model_len, line.params)
         print(f"[{i}] {line.prompt}{about}\n    -> {out.text}\n    {note}")
     print()
     print(stats.format())
@@ -575,6 +668,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    structured = g.add_argument_group(
+        "structured output", "constrain the answer (at most one of these flags)"
+    ).add_mutually_exclusive_group()
+    structured.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        default=None,
+        help="a JSON schema file: the answer is compact JSON valid against it",
+    )
+    structured.add_argument(
+        "--regex", default=None, help="the answer fully matches this regex (Rust regex syntax)"
+    )
+    structured.add_argument(
+        "--choice", nargs="+", default=None, metavar="WORD", help="the answer is one of these"
+    )
     g.set_defaults(run=_generate)
 
     width = max(map(len, JSONL_FIELDS))

@@ -54,6 +54,12 @@ class RequestError(MiniradError, ValueError):
     could never fit in the KV pool. Raised by the engine before the request is queued."""
 
 
+class GrammarError(RequestError):
+    """A structured-output constraint the engine cannot serve: a JSON schema that is not JSON or
+    that no value satisfies, a regex that does not parse, an empty choice list, or a token the
+    grammar does not allow (:mod:`minirad.grammar`)."""
+
+
 class PeerError(MiniradError, RuntimeError):
     """A real peer engine (vLLM in its own venv, see ``make vllm``) is missing, did not start,
     or answered something minirad cannot read."""

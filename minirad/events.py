@@ -41,6 +41,7 @@ __all__ = [
     "EvictEvent",
     "FreeEvent",
     "InsertEvent",
+    "JumpForwardEvent",
     "LockEvent",
     "MatchEvent",
     "ResetEvent",
@@ -288,6 +289,21 @@ class StepEvent(Event):
         return text
 
 
+@dataclass(frozen=True, slots=True)
+class JumpForwardEvent(Event):
+    """A request's grammar forced ``num_tokens`` output tokens, appended at once (jump-forward
+    decoding, SGLang paper §4): tokens ``start .. start + num_tokens - 1`` of the request's
+    sequence (prompt included) will be computed in its next prefill chunk, not decoded."""
+
+    kind: ClassVar[str] = "jump_forward"
+    rid: str
+    start: int
+    num_tokens: int
+
+    def describe(self) -> str:
+        return f"jump-forward: {self.rid} + {plural(self.num_tokens, 'forced token')}"
+
+
 _EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -304,6 +320,7 @@ _EVENT_TYPES: dict[str, type[Event]] = {
         BlockStoredEvent,
         BlockRemovedEvent,
         StepEvent,
+        JumpForwardEvent,
     )
 }
 

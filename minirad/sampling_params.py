@@ -7,11 +7,13 @@ class before it imports the engine (which takes seconds), so there is one set of
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from .errors import RequestError
+from .errors import GrammarError, RequestError
 
 __all__ = ["SamplingParams"]
 
@@ -32,9 +34,21 @@ class SamplingParams:
         stop_token_ids: stop after generating one of these (the stop token is kept in the
             output ids, as HF ``generate`` does). None: the model's EOS
             (``generation_config.eos_token_id``); ``()``: never stop on a token.
+        json_schema: constrain the output to JSON valid against this schema (a dict, or its
+            JSON text), written compactly (:data:`minirad.grammar.JSON_DEFAULTS`).
+        regex: constrain the output to a full match of this regular expression (Rust
+            ``regex`` syntax, as vLLM's and SGLang's backends read it).
+        choice: constrain the output to exactly one of these strings.
+            At most one of ``json_schema``, ``regex`` and ``choice`` (SGLang's names; vLLM's
+            ``StructuredOutputsParams`` has ``json``, ``regex``, ``choice``). The grammar is
+            compiled when the engine takes the request (:mod:`minirad.grammar`); its
+            end-of-sequence tokens are the stop tokens, and with ``stop_token_ids=()`` the
+            request stops when the grammar is complete.
 
     Raises:
         RequestError: a parameter is out of range.
+        GrammarError: more than one constraint, a schema that is not a JSON object, an empty
+            regex, or an empty or non-string choice list.
     """
 
     temperature: float = 0.0
@@ -43,6 +57,9 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 16
     stop_token_ids: Sequence[int] | None = None
+    json_schema: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
@@ -61,6 +78,59 @@ class SamplingParams:
             if not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise RequestError(f"stop_token_ids must be ints >= 0, got {ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise GrammarError(f"give at most one of json_schema, regex, choice; got {given}")
+        schema = self.json_schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        if schema is not None:
+            if not isinstance(schema, Mapping):
+                raise GrammarError(f"json_schema must be a JSON object, got {schema!r}")
+            try:
+                json.dumps(schema)
+            except (TypeError, ValueError) as e:
+                raise GrammarError(f"json_schema is not JSON-serializable: {e}") from None
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise GrammarError(f"regex must be a non-empty string, got {self.regex!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str):
+                raise GrammarError("choice must be a list of strings, not one string")
+            choices = tuple(self.choice)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise GrammarError(
+                    f"choice must be a non-empty list of non-empty strings: {choices}"
+                )
+            object.__setattr__(self, "choice", choices)
+
+    @property
+    def structured_output_kind(self) -> str | None:
+        """``"json_schema"``, ``"regex"``, ``"choice"``, or None (unconstrained)."""
+        for name in ("json_schema", "regex", "choice"):
+            if getattr(self, name) is not None:
+                return name
+        return None
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """``(kind, text)`` that identifies the constraint (the grammar cache's key), or None.
+        A schema's key is its JSON text with its own key order: property order is part of the
+        grammar."""
+        kind = self.structured_output_kind
+        if kind is None:
+            return None
+        value = getattr(self, kind)
+        if kind == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value)
+        elif kind == "choice":
+            value = json.dumps(list(value))
+        return kind, value
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,12 @@ random. Every scene comes with text whose answer the picture fixes exactly:
                                           -> "the red circle is left of the blue square"
       exists    "Is there a green triangle?"                       -> "no"
 
+- a JSON listing of the shapes in reading order (chapter 09's document-style extraction),
+  valid against :data:`SHAPES_JSON_SCHEMA` and written as ``json.dumps`` writes it::
+
+      json      "List the shapes as JSON."
+                     -> '{"shapes": [{"colour": "red", "shape": "circle"}, ...]}'
+
 Why the answers are unique: colours never repeat within a scene, so "the red one" names one
 shape; a question about "the circle" is only asked when the scene has one circle; and along the
 row the shapes' bounding boxes are separated by a gap of at least :data:`GAP` x canvas size
@@ -34,6 +40,7 @@ chapter images in ``data/images/``.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,8 +53,11 @@ __all__ = [
     "COLOURS",
     "COUNT_WORDS",
     "DEFAULT_IMAGE_SIZE",
+    "JSON_PROMPT",
+    "JSON_TASK",
     "QUESTION_TYPES",
     "SHAPES",
+    "SHAPES_JSON_SCHEMA",
     "SYSTEM_PROMPTS",
     "TASK_TYPES",
     "Question",
@@ -59,6 +69,7 @@ __all__ = [
     "random_scene",
     "render",
     "save_chapter_images",
+    "shapes_json",
 ]
 
 # RGB fill of each colour name; far apart in RGB so that box-filtered edges stay distinguishable.
@@ -93,9 +104,37 @@ SYSTEM_PROMPTS = (
     "You describe pictures of coloured shapes.",
     "Answer the question about the image.",
 )
-# A question type picks one template; "caption" is the description task.
+JSON_PROMPT = "List the shapes as JSON."
+# What a "json" answer is: every shape, in reading order, as {"colour", "shape"} pairs. The
+# enums make each value one of the scene vocabulary's words, so a grammar leaves the model only
+# those choices; the key order is the one the answers are written in.
+SHAPES_JSON_SCHEMA: dict = {
+    "type": "object",
+    "properties": {
+        "shapes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "colour": {"enum": list(COLOURS)},
+                    "shape": {"enum": list(SHAPES)},
+                },
+                "required": ["colour", "shape"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+            "maxItems": 3,
+        }
+    },
+    "required": ["shapes"],
+    "additionalProperties": False,
+}
+# A question type picks one template; "caption" is the description task. TASK_TYPES are the
+# tasks the shipped model is trained and evaluated on; chapter 09's JSON task is not one of them
+# (the model was trained before it, so its JSON answers are valid only under a grammar).
 QUESTION_TYPES = ("colour", "shape", "count", "where", "exists")
 TASK_TYPES = ("caption", *QUESTION_TYPES)
+JSON_TASK = "json"
 
 
 @dataclass(frozen=True)
@@ -238,8 +277,17 @@ def caption(scene: Scene) -> str:
     return f"{', '.join(names[:-1])} and {names[-1]} {order}"
 
 
+def shapes_json(scene: Scene) -> str:
+    """The scene's shapes as the JSON answer: ``json.dumps`` with its default separators
+    (``", "`` and ``": "``, no other whitespace), the compact form a grammar without free
+    whitespace allows."""
+    shapes = [{"colour": s.colour, "shape": s.kind} for s in scene.shapes]
+    return json.dumps({"shapes": shapes})
+
+
 def ask(scene: Scene, task: str, rng: random.Random) -> Question | None:
-    """A random question of type ``task`` (one of :data:`TASK_TYPES`) about ``scene``, or None when
+    """A random question of type ``task`` (one of :data:`TASK_TYPES`, or :data:`JSON_TASK`)
+    about ``scene``, or None when
     the scene admits none (``where`` needs two shapes, ``colour`` a shape kind that occurs
     once).
 
@@ -251,6 +299,8 @@ def ask(scene: Scene, task: str, rng: random.Random) -> Question | None:
     shapes = scene.shapes
     if task == "caption":
         return Question(task, CAPTION_PROMPT, caption(scene))
+    if task == JSON_TASK:
+        return Question(task, JSON_PROMPT, shapes_json(scene))
     if task == "colour":
         kinds = [s.kind for s in shapes]
         unique = [s for s in shapes if kinds.count(s.kind) == 1]

@@ -294,3 +294,36 @@ def test_figure3_text_is_readable_at_the_default_size(browser, figure3, tmp_path
         view.locator(".rv-fwd").click()
     context.close()
     assert not console.errors, console.errors
+
+
+def test_forced_tokens_are_drawn_teal_with_their_share_of_the_box(page, tmp_path):
+    """Three JSON answers sampled from one prompt: in the player, every node's forced text
+    (Label.forced) is in teal tspans, a teal bar per forced run sits under the box, and the
+    legend shows "forced"; a tree without grammars shows neither."""
+    from test_viz_forced import run
+
+    from viz.svg import FORCED
+
+    _, _, frames, _, _ = run(1)
+    f = frames[-1]
+    path = RadixView(frames, step=f.index).to_html(tmp_path / "forced.html")
+    page.goto(path.as_uri())
+    drawn = page.evaluate(
+        """() => Object.fromEntries([...document.querySelectorAll('.rv-node')].map((g) => [
+             g.dataset.id,
+             [[...g.querySelectorAll('tspan.rv-forced')].map((t) => t.textContent).join(''),
+              g.querySelectorAll('.rv-forced-bar').length,
+              [...g.querySelectorAll('.rv-forced-bar')].map((r) => getComputedStyle(r).fill)]]))"""
+    )
+    for n in f.live:
+        text, bars, fills = drawn[str(n.id)]
+        assert text == "".join(t for k, t in n.label.parts if k == "forced"), n
+        assert bars == len(n.label.forced), n
+        assert all(fill == rgb(FORCED) for fill in fills), fills
+    assert any(bars for _, bars, _ in drawn.values())
+    assert page.locator(".rv-legend-item", has_text="forced").is_visible()
+    plain = RadixView(scenario_frames(per="step")).to_html(tmp_path / "plain.html")
+    page.goto(plain.as_uri())
+    assert page.locator(".rv-forced-bar").count() == 0
+    assert not page.locator(".rv-legend-item", has_text="forced").is_visible()
+    assert not page.console.errors, page.console.errors

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from tiny_models import IMAGE_SIZE, LLAVA_IMAGE_TOKENS, tiny_llava, tiny_llava_processor
 
-from minirad.cli import JSONL_FIELDS, build_parser, chat_prompt, finish_note, main
+from minirad.cli import JSONL_FIELDS, build_parser, chat_prompt, cut_note, finish_note, main
 
 # A chat template over the tiny word-level vocabulary ("w4" .. "w95" are words): the role
 # and turn markers are ordinary words, so the prompt tokenizes without unknown tokens.
@@ -442,12 +442,47 @@ def test_bad_inputs_are_refused_before_the_engine_import(tiny_dir, tmp_path):
         "images.jsonl": '{"prompt": "w10", "images": "img1.png"}\n',
         "topk.jsonl": '{"prompt": "w10", "top_k": 1.5}\n',
         "late.jsonl": '{"prompt": "w10"}\n' * 3 + '{"prompt": "w10", "top_p": 0}\n',
+        "two.jsonl": '{"prompt": "w10"}\n{"prompt": "w10", "regex": "a", "choice": ["a"]}\n',
+        "schema.jsonl": '{"prompt": "w10", "json_schema": [1]}\n',
+        "nochoice.jsonl": '{"prompt": "w10", "choice": []}\n',
+        "noregex.jsonl": '{"prompt": "w10", "regex": ""}\n',
+        "list.json": "[1, 2]",
+        "notjson.json": '{"type": "object",\n',
+        "latin1.json": b"\xff\xfe".decode("latin-1"),
     }
     for name, text in files.items():
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_text(text, encoding="latin-1")
     (tmp_path / "dir.jsonl").mkdir()
     gen = ["generate", "--model", model, "--prompt", "w10"]
+    schema = ["--json-schema", str(tmp_path / "schema.json")]
     cases = [
+        (gen + schema, "cannot read JSON schema file '" + str(tmp_path / "schema.json")),
+        (
+            gen + ["--json-schema", str(tmp_path)],
+            f"cannot read JSON schema file {str(tmp_path)!r}: Is a directory",
+        ),
+        (
+            gen + ["--json-schema", str(tmp_path / "notjson.json")],
+            "notjson.json' is not JSON: Expecting property name enclosed in double quotes "
+            "at line 2 column 1",
+        ),
+        (
+            gen + ["--json-schema", str(tmp_path / "latin1.json")],
+            "latin1.json': not UTF-8",
+        ),
+        (gen + ["--json-schema", str(tmp_path / "list.json")], "holds a list, not a schema"),
+        (gen + ["--choice"], "argument --choice: expected at least one argument"),
+        (gen + ["--choice", "a", ""], "choice must be a non-empty list of non-empty strings"),
+        (gen + ["--regex", ""], "regex must be a non-empty string"),
+        (gen + ["--regex", "a", "--choice", "a"], "argument --choice: not allowed with argument"),
+        (gen + schema + ["--regex", "a"], "argument --regex: not allowed with argument"),
+        (
+            ["batch", str(tmp_path / "two.jsonl")],
+            "two.jsonl:2: give at most one of json_schema, regex, choice; got ['regex', 'choice']",
+        ),
+        (["batch", str(tmp_path / "schema.jsonl")], "schema.jsonl:1: json_schema must be a JSON"),
+        (["batch", str(tmp_path / "nochoice.jsonl")], "nochoice.jsonl:1: choice must be a non-"),
+        (["batch", str(tmp_path / "noregex.jsonl")], "noregex.jsonl:1: regex must be a non-empty"),
         (gen + ["--temperature", "-1"], "--temperature: must be a finite number >= 0, got -1.0"),
         (gen + ["--temperature", "inf"], "--temperature: must be a finite number >= 0, got inf"),
         (gen + ["--top-p", "2"], "argument --top-p: must be in (0, 1], got 2.0"),
@@ -465,7 +500,7 @@ def test_bad_inputs_are_refused_before_the_engine_import(tiny_dir, tmp_path):
         (
             ["batch", str(tmp_path / "field.jsonl")],
             "field.jsonl:1: unknown fields ['image']; a line may hold prompt, images, "
-            "max_new_tokens, temperature, top_k, top_p, seed",
+            "max_new_tokens, temperature, top_k, top_p, seed, json_schema, regex, choice",
         ),
         (["batch", str(tmp_path / "blank.jsonl")], "blank.jsonl:1: 'prompt' must be a string"),
         (["batch", str(tmp_path / "images.jsonl")], "images.jsonl:1: 'images' must be a list"),
@@ -532,3 +567,175 @@ def test_batch_help_describes_the_jsonl_fields_and_every_flag():
     for field, what in JSONL_FIELDS.items():
         assert [ln for ln in lines if ln.split()[:1] == [field]] == [f"  {field:<14}  {what}"]
     assert all(a.help for a in batch._actions), [a.dest for a in batch._actions if not a.help]
+
+
+# ---------------------------------------------------------------- structured output
+# The shipped model, for its real byte-level tokenizer (a grammar spells JSON and words in
+# it; the tiny test vocabulary has only "w4".."w95"). Nothing here depends on its answers being
+# right: only on their being what the grammar allows.
+SHAPES_IMAGE = str(
+    Path(__file__).resolve().parents[1] / "data/images/red_circle_left_of_blue_square.png"
+)
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def shipped_engine():
+    from minirad.engine import LLMEngine
+    from minirad.models import DEFAULT_MODEL_DIR
+
+    return LLMEngine.from_pretrained(DEFAULT_MODEL_DIR)
+
+
+def engine_answer(engine, prompt: str, params) -> str:
+    """The engine's own answer to the CLI's request (the reference for the flags' mapping)."""
+    from minirad.engine import GenerateRequest
+
+    text = chat_prompt(engine.processor, prompt, 1)
+    return engine.generate([GenerateRequest(text, [SHAPES_IMAGE], params)])[0].text
+
+
+def test_generate_with_each_constraint(shipped_engine, tmp_path):
+    """--json-schema, --regex and --choice are SamplingParams(json_schema=, regex=, choice=):
+    the answer is the engine's constrained one, and it is what the grammar allows."""
+    import jsonschema
+
+    from minirad.engine import SamplingParams
+    from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
+
+    (tmp_path / "shapes.json").write_text(json.dumps(SHAPES_JSON_SCHEMA))
+    gen = ["generate", "--image", SHAPES_IMAGE, "--max-new-tokens", "120"]
+    cases = [
+        (["--json-schema", str(tmp_path / "shapes.json")], JSON_PROMPT, "json_schema"),
+        (["--regex", "(one|two|three)"], "How many shapes are there?", "regex"),
+        (["--choice", "red", "blue", "green"], "What colour is the circle?", "choice"),
+    ]
+    for flags, prompt, kind in cases:
+        status, out, err = run_cli(gen + flags + ["--prompt", prompt])
+        assert status == 0, err
+        answer = out.removesuffix("\n")
+        constraint = {
+            "json_schema": SHAPES_JSON_SCHEMA,
+            "regex": "(one|two|three)",
+            "choice": ["red", "blue", "green"],
+        }[kind]
+        params = SamplingParams(max_new_tokens=120, **{kind: constraint})
+        assert answer == engine_answer(shipped_engine, prompt, params), kind
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(answer), SHAPES_JSON_SCHEMA)
+        else:
+            assert answer in {"one", "two", "three", "red", "blue", "green"}
+        (note,) = finish_lines(err)
+        assert note.startswith("finish_reason: stop (stop token after "), note
+
+
+def test_a_json_answer_cut_at_the_limit_says_it_is_not_valid_json(tmp_path):
+    from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
+
+    (tmp_path / "shapes.json").write_text(json.dumps(SHAPES_JSON_SCHEMA))
+    argv = ["generate", "--image", SHAPES_IMAGE, "--prompt", JSON_PROMPT, "--max-new-tokens"]
+    for stream in ([], ["--stream"]):
+        status, out, err = run_cli(
+            argv + ["12", "--json-schema", str(tmp_path / "shapes.json")] + stream
+        )
+        assert status == 0
+        with pytest.raises(ValueError):
+            json.loads(out)
+        assert out.startswith('{"shapes": ')  # the grammar's forced opening
+        assert finish_lines(err) == [
+            "finish_reason: length (max_new_tokens 12 reached); the output is cut: it is not "
+            "valid JSON (raise --max-new-tokens)"
+        ]
+
+
+def test_cut_note_says_whether_the_cut_answer_is_complete():
+    from minirad.engine import SamplingParams
+    from minirad.scenes import SHAPES_JSON_SCHEMA
+
+    schema, choice = SamplingParams(json_schema=SHAPES_JSON_SCHEMA), SamplingParams(choice=["ab"])
+    assert cut_note('{"shapes": [{"col', schema) == (
+        "the output is cut: it is not valid JSON (raise --max-new-tokens)"
+    )
+    assert cut_note('{"shapes": []}', schema) == "the JSON is complete, only its stop token was cut"
+    assert cut_note("a", choice).startswith("the output is cut: it is not one of the choices")
+    assert cut_note("ab", choice) == "the choice is complete, only its stop token was cut"
+    assert cut_note("a", SamplingParams(regex="ab")).endswith("only a prefix of a regex match")
+    assert cut_note("a", SamplingParams()) is None
+
+
+def test_a_choice_cut_at_the_limit_says_what_it_is(shipped_engine):
+    """One choice, and room for exactly its canonical tokens: jump-forward forces all but the
+    last, the model picks the last among the tokens that continue the word. Either the word
+    is whole (only the stop token is cut) or it is not: the note says which."""
+    n = len(shipped_engine.tokenizer("purple", add_special_tokens=False)["input_ids"])
+    argv = ["generate", "--image", SHAPES_IMAGE, "--prompt", "What colour is the circle?"]
+    status, out, err = run_cli(argv + ["--choice", "purple", "--max-new-tokens", str(n)])
+    assert status == 0 and "purple".startswith(out.removesuffix("\n"))
+    whole = out == "purple\n"
+    assert finish_lines(err) == [
+        f"finish_reason: length (max_new_tokens {n} reached); "
+        + (
+            "the choice is complete, only its stop token was cut"
+            if whole
+            else "the output is cut: it is not one of the choices (raise --max-new-tokens)"
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--regex", "(ab"], "invalid regex: "),
+        (["--regex", "[z-a]"], "invalid regex: "),
+        (["--json-schema", "{dir}/empty.json"], "invalid json_schema: "),
+    ],
+)
+def test_a_grammar_that_does_not_compile_is_one_line_naming_it(tmp_path, flags, message):
+    # "minimum" above "maximum": valid JSON, a valid schema, but no value satisfies it.
+    (tmp_path / "empty.json").write_text('{"type": "integer", "minimum": 5, "maximum": 1}')
+    argv = ["generate", "--image", SHAPES_IMAGE, "--prompt", "How many shapes are there?"]
+    for stream in ([], ["--stream"]):
+        flags_ = [f.replace("{dir}", str(tmp_path)) for f in flags]
+        status, out, err = run_cli(argv + flags_ + stream)
+        assert (status, out) == (2, "")
+        assert err.count("\n") == 1 and err.startswith("minirad generate: error: " + message)
+        assert "Traceback" not in err
+
+
+def test_batch_lines_carry_constraints(tmp_path, shipped_engine):
+    import jsonschema
+
+    from minirad.engine import SamplingParams
+    from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
+
+    (tmp_path / "img.png").write_bytes(Path(SHAPES_IMAGE).read_bytes())
+    rows = [
+        {"prompt": JSON_PROMPT, "images": ["img.png"], "json_schema": SHAPES_JSON_SCHEMA},
+        {"prompt": "What colour is the circle?", "images": ["img.png"], "choice": ["red", "blue"]},
+        {"prompt": "How many shapes are there?", "images": ["img.png"], "regex": "(one|two)"},
+        {"prompt": JSON_PROMPT, "images": ["img.png"], "json_schema": SHAPES_JSON_SCHEMA}
+        | {"max_new_tokens": 5},
+    ]
+    jsonl = write_jsonl(tmp_path / "r.jsonl", rows)
+    status, out, err = run_cli(["batch", str(jsonl), "--max-new-tokens", "120"])
+    assert status == 0, err
+    answers = [ln.split("-> ", 1)[1] for ln in out.splitlines() if "    -> " in ln]
+    jsonschema.validate(json.loads(answers[0]), SHAPES_JSON_SCHEMA)
+    assert answers[1] in ("red", "blue") and answers[2] in ("one", "two")
+    params = SamplingParams(max_new_tokens=120, json_schema=SHAPES_JSON_SCHEMA)
+    assert answers[0] == engine_answer(shipped_engine, JSON_PROMPT, params)
+    notes = finish_lines(out)
+    assert all(n.startswith("finish_reason: stop") for n in notes[:3]), notes
+    assert notes[3].endswith("; the output is cut: it is not valid JSON (raise --max-new-tokens)")
+    # A line whose grammar does not compile is named; nothing runs.
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows[:1] + [rows[2] | {"regex": "(one"}])
+    status, out, err = run_cli(["batch", str(bad)])
+    assert (status, out) == (2, "")
+    assert err.startswith(f"minirad batch: error: {bad}:2: invalid regex: ")
+    assert err.count("\n") == 1

@@ -4,6 +4,7 @@ The oracle below reads the rendered image only (exact palette pixels per colour)
 Scene's coordinates, so a drawing bug and a text bug cannot hide each other.
 """
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -18,7 +19,9 @@ from minirad.scenes import (
     COUNT_WORDS,
     DEFAULT_IMAGE_SIZE,
     GAP,
+    JSON_TASK,
     SHAPES,
+    SHAPES_JSON_SCHEMA,
     TASK_TYPES,
     ask,
     caption,
@@ -26,6 +29,7 @@ from minirad.scenes import (
     random_scene,
     render,
     save_chapter_images,
+    shapes_json,
 )
 from minirad.tokenizer import DEFAULT_TOKENIZER_DIR
 
@@ -226,6 +230,30 @@ def test_question_types_cover_all_answers():
     assert 0.4 < share < 0.6, f"exists: {share:.2f} yes"
     # Every scene has a caption, a shape and a count question.
     assert len(answers["caption"]) == len(answers["shape"]) == len(answers["count"]) == 600
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_json_answers_list_the_caption_and_validate(seed):
+    """The JSON answer names the caption's shapes in the same reading order, validates against
+    the schema, and is written as json.dumps writes it (compact, fixed separators)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    scene = random_scene(random.Random(seed))
+    answer = ask(scene, JSON_TASK, random.Random(seed)).answer
+    assert answer == shapes_json(scene)
+    value = json.loads(answer)
+    jsonschema.validate(value, SHAPES_JSON_SCHEMA)
+    assert json.dumps(value) == answer
+    names = [f"{s['colour']} {s['shape']}" for s in value["shapes"]]
+    assert names == [s.name for s in scene.shapes]
+    positions = [caption(scene).index(n) for n in names]
+    assert positions == sorted(positions)
+
+
+def test_the_shipped_schema_file_is_the_one_in_the_code():
+    """data/schemas/shapes.schema.json (the README's `--json-schema` example) is
+    SHAPES_JSON_SCHEMA, written with json.dumps(indent=2)."""
+    path = DEFAULT_TOKENIZER_DIR.parent / "schemas" / "shapes.schema.json"
+    assert json.loads(path.read_text()) == SHAPES_JSON_SCHEMA
 
 
 def test_ask_returns_none_when_the_scene_admits_no_such_question():

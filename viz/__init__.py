@@ -12,6 +12,9 @@ imports ``viz``.
 - :mod:`viz.export`: a standalone HTML replay.
 - :mod:`viz.sources`: builders for an engine, a cache, the Figure 3 scenario.
 - :mod:`viz.watch`: a real vLLM server's block cache, live from its KV events, or replayed.
+- :mod:`viz.charts`: matplotlib charts of the chapters (hit rates, forced tokens...).
+- :mod:`viz.token_fsm`: a grammar's token-level state machine, explored through its mask and
+  drawn with graphviz (chapter 09).
 
 Example::
 

@@ -7,6 +7,8 @@ ideas, not plotting.
   (chapter 04).
 - :func:`hit_rate_chart`: hit rate over pool size for several eviction policies, Belady's MIN
   and the infinite cache (chapter 03).
+- :func:`forced_tokens_chart`: an answer's tokens in reading order, those a grammar forced
+  (jump-forward) in teal (chapter 09).
 
 Example::
 
@@ -28,7 +30,13 @@ from matplotlib.patches import Patch, Rectangle
 
 from minirad import slot_mapping
 
-__all__ = ["block_pool_chart", "cached_tokens_chart", "hit_rate_chart", "paged_batch_chart"]
+__all__ = [
+    "block_pool_chart",
+    "cached_tokens_chart",
+    "forced_tokens_chart",
+    "hit_rate_chart",
+    "paged_batch_chart",
+]
 
 _COLOURS = ("#9ecae1", "#3182bd", "#31a354", "#e6550d")
 # One colour per request of a pool chart, in the order the requests are given.
@@ -322,4 +330,80 @@ def paged_batch_chart(
     ]
     fig.legend(handles=handles, loc="lower center", ncol=5, frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+FORCED = "#00897b"  # viz.svg.FORCED: tokens a grammar forced
+
+
+def forced_tokens_chart(
+    pieces: Sequence[str],
+    forced: Sequence[bool],
+    title: str = "the answer's tokens: forced by the grammar (teal) or chosen by the model",
+    line_chars: int = 64,
+) -> Figure:
+    """An answer's tokens as boxes in reading order, wrapped into lines of ``line_chars``
+    characters: teal where the grammar forced the token (jump-forward appended it), white where
+    the model chose it (one engine step each). Spaces are drawn as ``␣``.
+
+    Args:
+        pieces: each token's text (``tokenizer.decode([t])``), in order.
+        forced: one flag per token.
+
+    Raises:
+        ValueError: ``forced`` does not have one flag per token, or ``line_chars < 8``.
+    """
+    if len(forced) != len(pieces):
+        raise ValueError("forced needs one flag per token")
+    if line_chars < 8:
+        raise ValueError(f"line_chars must be >= 8, got {line_chars}")
+    places, x, line = [], 0, 0  # (x, line, width) in characters
+    for piece in pieces:
+        width = max(len(piece), 1)
+        if x + width > line_chars and x > 0:
+            x, line = 0, line + 1
+        places.append((x, line, width))
+        x += width
+    lines = line + 1
+    fig, ax = plt.subplots(figsize=(7.6, 0.42 * lines + 0.55))
+    for piece, is_forced, (x, y, width) in zip(pieces, forced, places, strict=True):
+        ax.add_patch(
+            Rectangle(
+                (x + 0.06, -y - 0.82),
+                width - 0.12,
+                0.64,
+                facecolor=FORCED if is_forced else "white",
+                edgecolor="white" if is_forced else "0.35",
+                linewidth=0.8,
+            )
+        )
+        ax.text(
+            x + width / 2,
+            -y - 0.5,
+            piece.replace(" ", "␣"),
+            ha="center",
+            va="center",
+            family="monospace",
+            fontsize=8,
+            color="white" if is_forced else "black",
+        )
+    ax.set_xlim(0, line_chars)
+    ax.set_ylim(-lines - 0.05, 0)
+    ax.axis("off")
+    chosen = len(forced) - sum(forced)
+    ax.set_title(
+        f"{title}\n{len(pieces)} tokens: {chosen} chosen, {sum(forced)} forced", fontsize=9
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor="white", edgecolor="0.35", label="chosen by the model (a step each)"),
+            Patch(facecolor=FORCED, edgecolor=FORCED, label="forced (appended by jump-forward)"),
+        ],
+        fontsize=7,
+        loc="lower center",
+        bbox_to_anchor=(0.5, -0.02 - 0.5 / lines),
+        ncols=2,
+        frameon=False,
+    )
+    fig.tight_layout()
     return fig

@@ -17,6 +17,9 @@ States, as in Figure 3 of the SGLang paper (and :mod:`minirad.scenario`):
   and is gone from the next one;
 - ``idle`` (grey): untouched since the previous frame.
 
+Independent of the state, the tokens a grammar forced (jump-forward decoding) are marked on
+their edges (:attr:`Label.forced`): teal text and a teal bar under that part of the box.
+
 The wire format (:func:`frames_to_wire`) is what the widget (``viz/static/radix_view.js``) and
 the HTML export receive: nodes as arrays, labels sent once and referred to by index.
 """
@@ -51,11 +54,14 @@ class Label:
     Attributes:
         index: unique within a builder; frames refer to labels by it on the wire.
         parts: the first ``max_chars`` characters as ``(kind, text)`` runs, ``kind`` being
-            ``"text"`` or ``"image"`` (an image chip such as ``"img 3fa2c1 x64"``); line
-            breaks shown as ``⏎``.
+            ``"text"``, ``"image"`` (an image chip such as ``"img 3fa2c1 x64"``) or
+            ``"forced"`` (text a grammar forced, appended by jump-forward); line breaks shown
+            as ``⏎``.
         full: the whole edge as text (images as ``[img 3fa2c1 x64]``), cut at 2000 chars.
         tokens: the first 16 token ids.
         images: ``(offset, num_tokens, name)`` of every image span (pad ids) on the edge.
+        forced: ``(offset, num_tokens)`` of every run of forced tokens on the edge (see
+            :class:`minirad.events.JumpForwardEvent`).
     """
 
     index: int
@@ -63,6 +69,12 @@ class Label:
     full: str
     tokens: tuple[int, ...]
     images: tuple[tuple[int, int, str], ...]
+    forced: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_forced(self) -> int:
+        """Forced tokens on the edge."""
+        return sum(n for _, n in self.forced)
 
     @property
     def text(self) -> str:
@@ -76,6 +88,7 @@ class Label:
             # Image pad ids carry a whole hash: beyond 2**53 a JSON number loses digits in JS.
             "tokens": [t if t < 2**53 else f"{t:x}" for t in self.tokens],
             "images": [list(i) for i in self.images],
+            "forced": [list(f) for f in self.forced],
         }
 
 

@@ -16,6 +16,15 @@ requests the step computed (:class:`~viz.frame.StepView`), and its caption start
 
     step 4: prefill r1 (tokens 0-63), decode r0; finished r2 | evicted node 3: 10 tokens
 
+Structured output (:class:`minirad.events.JumpForwardEvent`): a grammar's forced run is appended
+to a request at once and computed in its next prefill chunk. The builder follows which KV slots
+that chunk gives the forced positions (the step's batch and its ``AllocEvent`` to the request),
+and marks those tokens in every edge that holds the slots (:attr:`~viz.frame.Label.forced`): a
+forced run that several requests share is then one marked node, with the forks at the free
+choices. The step frame that computes a run marks it; its caption names each jump::
+
+    step 2: prefill req-0 (tokens 101-111) | insert: ...; jump-forward: req-0 + 3 forced tokens
+
 Node ids are the cache's ``TreeNode.id``: a split keeps the id on the prefix part and gives
 the suffix a new one (:class:`minirad.events.SplitEvent`), so a node never changes identity
 in the drawing.
@@ -42,6 +51,7 @@ from minirad.events import (
     EvictEvent,
     FreeEvent,
     InsertEvent,
+    JumpForwardEvent,
     LockEvent,
     MatchEvent,
     ResetEvent,
@@ -130,6 +140,14 @@ class FrameBuilder:
         self._views: dict[int, NodeView] = {}
         self._touched: set[int] = set()  # lock_ref or last access changed
         self._was_marked: set[int] = set()  # non-idle in the last frame (idle again now)
+        # Jump-forward: forced positions not computed yet, per request (from JumpForwardEvent);
+        # the slots each request was given since the last step (AllocEvent), the slot of its
+        # last computed token (for a chunk that starts inside a page it already holds), and
+        # the slots that hold forced tokens.
+        self._jumps: dict[str, list[tuple[int, int]]] = {}
+        self._new_slots: dict[str, list[int]] = {}
+        self._last_slot: dict[str, int] = {}
+        self._forced_slots: set[int] = set()
 
     # ------------------------------------------------------------------ input
     def attach(self, bus: EventBus) -> Callable[[], None]:
@@ -184,15 +202,15 @@ class FrameBuilder:
         self._on_match(e)
         if e.node_id is None:
             return
-        self._labels[e.node_id] = self._label(e.key)
+        self._labels[e.node_id] = self._label(e.key, e.value)
         self.layout.add(e.node_id)
         self._mark(e.node_id, "added")
         self._set_owner(e.value, e.node_id)
 
     def _on_split(self, e: SplitEvent) -> None:
         prefix, suffix = self.tree.nodes[e.node_id], self.tree.nodes[e.new_node_id]
-        self._labels[e.node_id] = self._label(prefix.key)
-        self._labels[e.new_node_id] = self._label(suffix.key)
+        self._labels[e.node_id] = self._label(prefix.key, prefix.value)
+        self._labels[e.new_node_id] = self._label(suffix.key, suffix.value)
         self.layout.split(e.node_id, e.new_node_id)
         # The lower half is "split" (grey, cut) unless its tokens were already added or
         # accessed since the last frame: then it keeps that colour.
@@ -223,9 +241,64 @@ class FrameBuilder:
         # so the frame it ends shows the step's whole effect.
         self.num_steps += 1
         self._step = StepView.from_event(self.num_steps, e)
+        self._place_forced(e)
+
+    def _on_jump(self, e: JumpForwardEvent) -> None:
+        self._jumps.setdefault(e.rid, []).append((e.start, e.start + e.num_tokens))
+
+    def _place_forced(self, e: StepEvent) -> None:
+        """Find the slots of the forced positions this step computed, and relabel the tree
+        nodes that already hold them (a prefill chunk enters the tree before the step ends).
+
+        Request ``rid`` computed positions ``start .. start + n - 1``: the first ones in the page
+        it already holds (the slots after its last one), the rest in the slots allocated to it
+        in this step, in order (:meth:`minirad.engine.scheduler.Scheduler._allocate`).
+        """
+        forced: set[int] = set()
+        for rid, start, n in zip(e.rids, e.starts, e.num_tokens, strict=True):
+            fresh = self._new_slots.pop(rid, [])
+            in_page = n - len(fresh)
+            last = self._last_slot.get(rid)
+            if in_page < 0 or (in_page and last is None):
+                slots: list[int | None] = [None] * n  # not from this builder's events: unknown
+            else:
+                slots = [*range(last + 1, last + 1 + in_page), *fresh] if in_page else fresh
+            if n and slots[-1] is not None:
+                self._last_slot[rid] = slots[-1]
+            end, left = start + n, []
+            for a, b in self._jumps.get(rid, ()):
+                forced.update(slots[p - start] for p in range(max(a, start), min(b, end)))
+                if b > end:  # positions before `start` were matched from the cache, not computed
+                    left.append((max(a, end), b))
+            if left:
+                self._jumps[rid] = left
+            else:
+                self._jumps.pop(rid, None)
+        for rid in (*e.finished, *e.preempted):  # a preempted request's KV is gone
+            self._last_slot.pop(rid, None)
+            self._new_slots.pop(rid, None)
+        for rid in e.finished:
+            self._jumps.pop(rid, None)
+        self._new_slots.clear()  # a request allocated but not scheduled gave its slots back
+        forced.discard(None)
+        if not forced:
+            return
+        self._forced_slots |= forced
+        pages = {s // self.page_size for s in forced}
+        for i in {self._owner[p] for p in pages if p < len(self._owner)}:
+            if isinstance(i, int) and i in self.tree.nodes:
+                node = self.tree.nodes[i]
+                self._labels[i] = self._label(node.key, node.value)
+                self._touched.add(i)
 
     def _on_alloc(self, e: AllocEvent) -> None:
         self._set_owner(e.ids, e.owner if e.owner is not None else "request")
+        if self._forced_slots:
+            self._forced_slots.difference_update(e.ids)  # fresh slots hold new tokens
+        # Only an engine's requests need their slots followed (a cache replay sends no steps
+        # and no jumps: nothing is kept for it).
+        if e.owner is not None and (self.num_steps or e.owner in self._jumps):
+            self._new_slots.setdefault(e.owner, []).extend(e.ids)
 
     def _on_free(self, e: FreeEvent) -> None:
         self._set_owner(e.ids, None)
@@ -258,10 +331,16 @@ class FrameBuilder:
             return " ".join(map(str, ids)) + " "
         return self.decode(ids)
 
-    def _label(self, key: tuple[int, ...]) -> Label:
-        """Decode an edge: text runs through ``decode``, image runs (pad ids) as chips."""
+    def _label(self, key: tuple[int, ...], value: Sequence[int] = ()) -> Label:
+        """Decode an edge: text runs through ``decode``, image runs (pad ids) as chips, and
+        the tokens whose KV slot (``value``) holds a forced token as ``"forced"`` runs."""
+        forced_slots = self._forced_slots
+        if forced_slots and len(value) == len(key):
+            marks = [s in forced_slots for s in value]
+        else:
+            marks = [False] * len(key)
         runs: list[tuple[str, str]] = []
-        images = []
+        images, forced = [], []
         offset = 0
         for is_image, group in itertools.groupby(key, self._is_image):
             ids = list(group)
@@ -273,23 +352,32 @@ class FrameBuilder:
                     images.append((offset, n, name))
                     runs.append(("image", f"{name} x{n}"))
                     offset += n
-            else:
-                runs.append(("text", self._text(ids)))
-                offset += len(ids)
-        full = "".join(t if k == "text" else f"[{t}]" for k, t in runs)
+                continue
+            # A text run: split where the marks change (one run when nothing is forced).
+            start = offset
+            for is_forced, group_marks in itertools.groupby(marks[start : start + len(ids)]):
+                k = len(list(group_marks))
+                chunk = ids[offset - start : offset - start + k]
+                if is_forced:
+                    forced.append((offset, k))
+                runs.append(("forced" if is_forced else "text", self._text(chunk)))
+                offset += k
+        full = "".join(t if k != "image" else f"[{t}]" for k, t in runs)
         if len(full) > FULL_TEXT_CHARS:
             full = full[: FULL_TEXT_CHARS - 1] + "…"
         parts, room = [], self.max_chars
         for kind, t in runs:
             if room <= 0:
                 break
-            t = t.replace("\n", "⏎") if kind == "text" else t
-            if len(t) > room and kind == "text":  # a chip is whole: its name is the image's
+            t = t.replace("\n", "⏎") if kind != "image" else t
+            if len(t) > room and kind != "image":  # a chip is whole: its name is the image's
                 t = t[: max(room - 1, 0)] + "…"
             parts.append((kind, t))
             room -= len(t)
         self._num_labels += 1
-        return Label(self._num_labels - 1, tuple(parts), full, key[:16], tuple(images))
+        return Label(
+            self._num_labels - 1, tuple(parts), full, key[:16], tuple(images), tuple(forced)
+        )
 
     # ------------------------------------------------------------------ output
     def _pool(self) -> PoolView:
@@ -307,7 +395,7 @@ class FrameBuilder:
         notable = [
             e.describe()
             for e in events
-            if isinstance(e, SplitEvent | EvictEvent | ResetEvent)
+            if isinstance(e, SplitEvent | EvictEvent | ResetEvent | JumpForwardEvent)
             or (isinstance(e, InsertEvent) and e.node_id is not None)
         ]
         if self._step is not None:  # what the engine did, then what changed in the tree
@@ -382,6 +470,7 @@ _HANDLERS: dict[type, Callable[[FrameBuilder, Event], None]] = {
     AllocEvent: FrameBuilder._on_alloc,
     FreeEvent: FrameBuilder._on_free,
     StepEvent: FrameBuilder._on_step,
+    JumpForwardEvent: FrameBuilder._on_jump,
 }
 
 

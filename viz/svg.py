@@ -8,7 +8,8 @@ The geometry and colours are those of ``viz/static/radix_view.js`` (keep the two
 a node is a box in its layout cell ``(col, depth)``, coloured by its state as in Figure 3 of
 the SGLang paper (green added, blue accessed, red dashed evicted, grey untouched), with its
 ``lock_ref`` in an orange badge; the edges into locked nodes (the locked paths) are thick
-orange; an edge that starts with an image (a fork at an image boundary) is purple. Under
+orange; an edge that starts with an image (a fork at an image boundary) is purple; the text
+a grammar forced (jump-forward) is teal, with a teal bar under its share of the box. Under
 the tree, the KV pool: one cell per page, coloured by the owner's state (tree node), orange
 (running request) or white (free).
 """
@@ -45,6 +46,7 @@ COLORS = {
 }
 LOCK = "#e67e22"
 IMAGE = "#8e44ad"
+FORCED = "#00897b"  # tokens a grammar forced (jump-forward)
 REQUEST = ("#f6c177", "#b7791f")
 FREE = ("#ffffff", "#cccccc")
 
@@ -61,6 +63,13 @@ def _edge(parent: NodeView, child: NodeView, top: int) -> str:
     x2, y2 = cx + BOX_W // 2, cy
     ym = (y1 + y2) // 2
     return f"M{x1},{y1} C{x1},{ym} {x2},{ym} {x2},{y2}"
+
+
+_SPAN = {
+    "text": "",
+    "image": " fill=" + quoteattr(IMAGE),
+    "forced": f' fill="{FORCED}" font-weight="bold"',
+}
 
 
 def _node(n: NodeView, top: int) -> list[str]:
@@ -84,6 +93,8 @@ def _node(n: NodeView, top: int) -> list[str]:
     hover += f"last access {n.last_access}"
     if n.extra_key is not None:
         hover += f", extra_key {n.extra_key}"
+    if label.forced:
+        hover += f", {plural(label.num_forced, 'forced token')} (jump-forward)"
     head = f"#{n.id}  {n.num_tokens} tok  t={n.last_access}"
     if n.state == "evicted":
         head = f"#{n.id}  evicted  {n.num_tokens} tok"
@@ -101,14 +112,18 @@ def _node(n: NodeView, top: int) -> list[str]:
         f'<text x="{x + 8}" y="{y + 15}" font-size="12" font-weight="bold" fill="{ink}">'
         f"{escape(head)}</text>"
     )
-    spans = "".join(
-        f"<tspan{' fill=' + quoteattr(IMAGE) if kind == 'image' else ''}>{escape(t)}</tspan>"
-        for kind, t in label.parts
-    )
+    spans = "".join(f"<tspan{_SPAN[kind]}>{escape(t)}</tspan>" for kind, t in label.parts)
     out.append(
         f'<text x="{x + 8}" y="{y + 31}" font-size="12" fill="{ink}" xml:space="preserve">'
         f"{spans}</text>"
     )
+    for offset, k in label.forced:  # the forced share of the edge's tokens, in place
+        x0 = x + BOX_W * offset // n.num_tokens
+        x1 = x + BOX_W * (offset + k) // n.num_tokens
+        out.append(
+            f'<rect class="forced" x="{x0}" y="{y + BOX_H - 5}" width="{max(x1 - x0, 2)}" '
+            f'height="4" fill="{FORCED}"/>'
+        )
     if n.lock_ref:
         bx, by = x + BOX_W - 11, y + 11
         out.append(
@@ -157,9 +172,11 @@ def _pool(frame: Frame, top: int) -> list[str]:
     return [f'<text x="{MARGIN}" y="{top + 12}" font-size="11">{escape(head)}</text>', *out]
 
 
-def _legend(y: int) -> list[str]:
+def _legend(y: int, forced: bool) -> list[str]:
     items = [(s, *COLORS[s]) for s in ("added", "accessed", "split", "evicted", "idle")]
     items += [("locked", "#ffffff", LOCK), ("request", *REQUEST), ("free", *FREE)]
+    if forced:  # only where a grammar forced tokens: other frames keep their legend
+        items.append(("forced", FORCED, FORCED))
     out, x = [], MARGIN
     for name, fill, stroke in items:
         dash = ' stroke-dasharray="3,2"' if name == "evicted" else ""
@@ -236,6 +253,6 @@ def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110
         out += _node(n, top)
     if frame.pool.num_cells:
         out += _pool(frame, pool_top)
-    out += _legend(legend_y)
+    out += _legend(legend_y, any(n.label is not None and n.label.forced for n in frame.nodes))
     out.append("</svg>")
     return "\n".join(out)

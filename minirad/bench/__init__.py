@@ -6,6 +6,10 @@
 - ``engine``: the same VLM requests through Hugging Face ``generate()``, our engine and, with
   ``--peer vllm``, the real vLLM (throughput, time to first token, prefill and cached tokens,
   encoder calls; answers must match) (:mod:`minirad.bench.engine`, :mod:`minirad.bench.peer`).
+- ``structured``: the JSON task on fresh scenes, free, under a grammar without and with
+  jump-forward, HF ``generate()`` with the same grammar and, with ``--peer vllm``, vLLM's
+  structured outputs (tok/s, steps, forced tokens, mask cost per row, valid and exact
+  answers) (:mod:`minirad.bench.structured`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands, importing only the one it runs (``engine`` pulls in
@@ -26,6 +30,8 @@ __all__ = ["build_parser", "main"]
 _COMMANDS = {  # subcommand (= module name) -> help
     "radix": "radix-cache hit rate, throughput and % of optimal on a multi-turn chat trace",
     "engine": "our engine against HF generate() (and the real vLLM: --peer vllm) on VLM requests",
+    "structured": "JSON answers: free vs grammar vs jump-forward, HF + grammar (and vLLM: "
+    "--peer vllm)",
 }
 
 

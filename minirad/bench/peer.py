@@ -50,6 +50,9 @@ class VLLMPeer:
         num_gpu_blocks_override: KV pool size in blocks; vLLM keeps block 0 as its null
             block, so ``N`` gives ``N - 1`` usable blocks. None: what 1 GiB holds
             (``VLLM_CPU_KVCACHE_SPACE=1``).
+        structured_outputs_backend: vLLM's grammar backend for structured outputs
+            (``structured_outputs_config.backend``: ``"guidance"`` is llguidance, as ours);
+            None: vLLM's default (``"auto"``).
         start_timeout: seconds to wait for the engine to come up.
         timeout: seconds to wait for any other answer.
         python: the vLLM venv's Python (default :func:`~minirad.vllm_env.vllm_python`).
@@ -68,6 +71,7 @@ class VLLMPeer:
         *,
         max_num_seqs: int = 8,
         num_gpu_blocks_override: int | None = None,
+        structured_outputs_backend: str | None = None,
         start_timeout: float = 600.0,
         timeout: float = 600.0,
         python: str | os.PathLike | None = None,
@@ -84,6 +88,8 @@ class VLLMPeer:
         cmd += ["--max-num-seqs", str(max_num_seqs), "--block-size", str(VLLM_BLOCK_SIZE)]
         if num_gpu_blocks_override is not None:
             cmd += ["--num-gpu-blocks-override", str(num_gpu_blocks_override)]
+        if structured_outputs_backend is not None:
+            cmd += ["--structured-outputs-backend", structured_outputs_backend]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM refuses to start without
         # O_APPEND: the worker's writes land at the end even while the tail is being read.
@@ -112,7 +118,11 @@ class VLLMPeer:
 
     # ------------------------------------------------------------------ commands
     def generate(
-        self, workload: Workload, max_new_tokens: int, ignore_eos: bool = False
+        self,
+        workload: Workload,
+        max_new_tokens: int,
+        ignore_eos: bool = False,
+        structured: dict | None = None,
     ) -> RunResult:
         """Run every request of ``workload`` greedy in one ``LLM.generate`` call.
 
@@ -121,6 +131,9 @@ class VLLMPeer:
             max_new_tokens: vLLM's ``max_tokens``.
             ignore_eos: never stop on the end-of-sequence token (exactly
                 ``max_new_tokens`` tokens, as ``stop_token_ids=()`` in our engine).
+            structured: every request's structured output, as the fields of vLLM's
+                ``StructuredOutputsParams`` (``{"json": schema}``, ``{"regex": ...}``,
+                ``{"choice": [...]}``); None: free.
 
         Returns:
             a :class:`~minirad.bench.engine.RunResult`: outputs through the stop token,
@@ -143,6 +156,7 @@ class VLLMPeer:
                 "requests": requests,
                 "max_tokens": max_new_tokens,
                 "ignore_eos": ignore_eos,
+                "structured": structured,
             }
         )
         outs = reply["outputs"]

@@ -15,8 +15,10 @@ file descriptor 1 at stderr. Each message, both ways, is a frame: a 4-byte big-e
 then that many bytes of msgpack. Commands arrive on stdin as maps with an ``op``:
 
 - ``{"op": "generate", "requests": [{"prompt": str, "images": [PNG bytes, ...]}, ...],
-  "max_tokens": int, "ignore_eos": bool}``: greedy, all requests in one ``LLM.generate``
-  call. Reply ``{"ok": true, "seconds": float, "outputs": [...]}`` where ``seconds`` is the
+  "max_tokens": int, "ignore_eos": bool, "structured": map | None}``: greedy, all requests in
+  one ``LLM.generate`` call; ``structured`` (optional) holds the fields of vLLM's
+  ``StructuredOutputsParams`` (``{"json": schema}``...), applied to every request.
+  Reply ``{"ok": true, "seconds": float, "outputs": [...]}`` where ``seconds`` is the
   wall time of the ``generate`` call (PNG decoding excluded), ``kv_cache_usage`` is
   ``{"peak": float | None, "samples": int}`` (see :class:`_UsageSampler`) and each output is
   ``{"token_ids", "prompt_token_ids", "num_cached_tokens", "finish_reason", "ttft",
@@ -213,6 +215,7 @@ def _info(llm, kv_cache_tensors: list[dict]) -> dict:
 def _generate(llm, usage: _UsageSampler, command: dict) -> dict:
     from PIL import Image
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     prompts = []
     for request in command["requests"]:
@@ -223,10 +226,12 @@ def _generate(llm, usage: _UsageSampler, command: dict) -> dict:
         if images:
             prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
         prompts.append(prompt)
+    structured = command.get("structured")
     params = SamplingParams(
         temperature=0.0,
         max_tokens=int(command["max_tokens"]),
         ignore_eos=bool(command.get("ignore_eos", False)),
+        structured_outputs=None if structured is None else StructuredOutputsParams(**structured),
     )
     usage.reset()
     wall0 = time.time()
@@ -284,6 +289,9 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--structured-outputs-backend", default=None, help="vLLM's grammar backend (guidance...)"
+    )
     args = parser.parse_args()
     # vLLM's CPU backend wants 0.92 of a NUMA node's memory for KV unless told (GiB).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -294,6 +302,10 @@ def main() -> int:
     channel = _Channel(sys.stdin.buffer, reply_fd)
     from vllm import LLM
 
+    extra = {}
+    if args.structured_outputs_backend is not None:
+        # Engine-wide: vLLM 0.32 reads the backend (and its whitespace option) only from here.
+        extra["structured_outputs_config"] = {"backend": args.structured_outputs_backend}
     llm = LLM(
         model=args.model,
         block_size=args.block_size,
@@ -305,6 +317,7 @@ def main() -> int:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         seed=args.seed,
         disable_log_stats=False,  # keeps RequestOutput.metrics (the TTFT) and SchedulerStats
+        **extra,
     )
     usage = _UsageSampler(llm)
     (kv_cache_tensors,) = llm.llm_engine.collective_rpc(_kv_cache_tensors)  # one worker

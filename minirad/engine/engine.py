@@ -6,8 +6,10 @@ The parts, each in its own module (nano-vllm's ``LLMEngine`` layout, vLLM's name
     step():  Scheduler.schedule()            which requests, how many tokens, which KV slots
              ModelRunner.execute_model()     one ForwardBatch, image features from the
                                              EncoderCache, PagedVLM -> logits
+             apply_token_bitmask()           structured output: forbidden tokens -> -inf
              sample()                        greedy / temperature / top-k / top-p, per request
              Scheduler.update_from_output()  append tokens, stop, cache in the radix tree
+             Request.jump_forward()          append the tokens a grammar forces
     -> RequestOutput (token ids, text, finish reason, stats)
 
 Memory: one :class:`~minirad.kv_pool.KVCache` of ``num_kv_slots`` token slots in pages of
@@ -29,8 +31,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..errors import InvalidArgumentError, InvariantError, RequestError
-from ..events import EventBus, StepEvent
+from ..errors import GrammarError, InvalidArgumentError, InvariantError, RequestError
+from ..events import EventBus, JumpForwardEvent, StepEvent
+from ..grammar import GrammarCompiler, allocate_token_bitmask, apply_token_bitmask
 from ..kv_pool import KVCache, TokenToKVPoolAllocator
 from ..models import PagedVLM, kv_cache_dims, load_model
 from ..radix_cache import RadixCache
@@ -66,6 +69,8 @@ class EngineConfig:
             nothing is published and nothing listens to the bus for it.
         kv_events_replay_endpoint: vLLM's replay socket (``"tcp://*:5558"``), or None.
         kv_events_block_size: tokens per published block (vLLM's CPU backend: 32).
+        jump_forward: append the tokens a request's grammar forces in one prefill chunk
+            (:meth:`Request.jump_forward`) instead of decoding them one by one.
     """
 
     num_kv_slots: int = 4096
@@ -82,6 +87,7 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_block_size: int = VLLM_BLOCK_SIZE
+    jump_forward: bool = True
 
 
 @dataclass
@@ -90,7 +96,8 @@ class EngineStats:
 
     ``prefill_tokens`` and ``decode_tokens`` are what the model computed; ``cached_tokens``
     and ``preempted_cached_tokens`` what the radix tree saved (see ``RequestStats``);
-    ``encoder_calls`` / ``encoder_hits`` vision-tower runs and runs the encoder cache saved.
+    ``encoder_calls`` / ``encoder_hits`` vision-tower runs and runs the encoder cache saved;
+    ``forced_tokens`` the output tokens jump-forward appended (decode steps they did not need).
     """
 
     num_steps: int = 0
@@ -102,6 +109,7 @@ class EngineStats:
     num_finished: int = 0
     encoder_calls: int = 0
     encoder_hits: int = 0
+    forced_tokens: int = 0
 
 
 class LLMEngine:
@@ -142,6 +150,7 @@ class LLMEngine:
         self.config = cfg = replace(config or EngineConfig(), **kwargs)
         text_config = model.config.text_config
         self.max_model_len = cfg.max_model_len or text_config.max_position_embeddings
+        self.vocab_size = text_config.vocab_size  # logit columns
         self.bus = bus if bus is not None else EventBus()
         self.allocator = TokenToKVPoolAllocator(cfg.num_kv_slots, cfg.page_size, self.bus)
         self.tree_cache = RadixCache(cfg.page_size, cfg.eviction_policy, self.allocator, self.bus)
@@ -178,6 +187,7 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
         )
+        self._grammar_compiler: GrammarCompiler | None = None  # built at the first grammar
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self._next_rid = 0
         self._stats = EngineStats()
@@ -212,6 +222,8 @@ class LLMEngine:
         Raises:
             RequestError: empty prompt, prompt too long for the context, duplicate rid, bad
                 ids, or a request that could never fit in the KV pool.
+            GrammarError: its json_schema / regex / choice does not compile (the message says
+                why), or the engine has no tokenizer to compile it with.
             ImageError: an image is missing or unreadable, or the images do not match the
                 prompt's placeholders.
             Nothing is queued when it raises.
@@ -234,20 +246,50 @@ class LLMEngine:
                 seed = int(torch.randint(2**62, (), generator=self._generator))
             generator = torch.Generator().manual_seed(seed)
         stop = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
-        self.scheduler.add_request(
-            Request(
-                rid,
-                processed.prompt_token_ids,
-                params,
-                stop_token_ids=stop,
-                key_ids=processed.key_ids,
-                images=processed.images,
-                segments=processed.segments,
-                generator=generator,
-                return_logits=request.return_logits,
-            )
+        grammar = None
+        if params.structured_output_kind is not None:
+            grammar = self.grammar_compiler.compile(params, stop)
+        req = Request(
+            rid,
+            processed.prompt_token_ids,
+            params,
+            stop_token_ids=stop,
+            key_ids=processed.key_ids,
+            images=processed.images,
+            segments=processed.segments,
+            generator=generator,
+            return_logits=request.return_logits,
+            grammar=grammar,
         )
+        self.scheduler.add_request(req)
+        # A grammar may force the first tokens ('{"shapes": [{"colour": "'): they join the
+        # prompt's prefill, so requests with the same prompt share them in the tree too.
+        self._jump_forward(req)
         return rid
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's :class:`~minirad.grammar.GrammarCompiler` (its cache of compiled
+        grammars), built on first use.
+
+        Raises:
+            GrammarError: the engine has no tokenizer (token-id prompts only).
+        """
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise GrammarError("structured output needs the model's tokenizer (processor)")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammar_compiler
+
+    def _jump_forward(self, request: Request) -> None:
+        if not self.config.jump_forward or request.grammar is None:
+            return
+        start = request.num_tokens
+        n = request.jump_forward(self.max_model_len)
+        if n:
+            self._stats.forced_tokens += n
+            if self.bus.active:
+                self.bus.emit(JumpForwardEvent(self.bus.tick(), request.rid, start, n))
 
     def _new_rid(self) -> str:
         while f"req-{self._next_rid}" in self.scheduler.requests:
@@ -280,13 +322,17 @@ class LLMEngine:
         logits = self.model_runner.execute_model(out, (im for r in waiting for im in r.images))
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         requests = [out.scheduled[i].request for i in rows]
+        chosen = logits[rows]  # a copy: the raw rows stay for return_logits
+        self._apply_grammars(chosen, requests)
         tokens = sample(
-            logits[rows], [r.sampling_params for r in requests], [r.generator for r in requests]
+            chosen, [r.sampling_params for r in requests], [r.generator for r in requests]
         )
         for row, request in zip(rows, requests, strict=True):
             if request.logits is not None:
                 request.logits.append(logits[row].float().clone())
         advanced = self.scheduler.update_from_output(out, tokens)
+        for request in advanced:
+            self._jump_forward(request)
         t = self.bus.tick()
         if self.bus.active:
             sched = out.scheduled
@@ -308,6 +354,20 @@ class LLMEngine:
         st.decode_tokens += out.num_decode_tokens
         st.num_finished += sum(r.is_finished for r in advanced)
         return [self._make_output(r) for r in advanced]
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
+        """Mask each constrained row of ``logits`` ``[B, V]`` in place: one bitmask row per
+        request, filled by its grammar on the CPU, then one masked fill for the batch."""
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not constrained:
+            return
+        bitmask = allocate_token_bitmask(len(constrained), logits.shape[-1])
+        for row, i in enumerate(constrained):
+            requests[i].grammar.fill_bitmask(bitmask, row)
+        rows = logits[constrained]
+        apply_token_bitmask(rows, bitmask)
+        logits[constrained] = rows
 
     def _make_output(self, request: Request) -> RequestOutput:
         new_ids = request.output_ids[request.num_sent_tokens :]

@@ -24,6 +24,7 @@ import enum
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -32,6 +33,9 @@ from ..errors import RequestError
 from ..radix_cache import Req
 from ..sampling_params import SamplingParams
 from .processing import ImageItem, ImageSegment
+
+if TYPE_CHECKING:
+    from ..grammar import Grammar
 
 __all__ = [
     "GenerateRequest",
@@ -98,13 +102,21 @@ class RequestStats:
     Attributes:
         prompt_tokens: prompt length, image placeholders included.
         cached_tokens: prompt tokens whose KV came from the radix tree at the first admission
-            (vLLM's ``num_cached_tokens``): the hit rate's numerator, < ``prompt_tokens``.
+            (vLLM's ``num_cached_tokens``): the hit rate's numerator, < ``prompt_tokens``
+            (or equal, when a grammar's first forced run follows the prompt).
         preempted_cached_tokens: tokens found in the tree again at readmissions after a
             preemption (its own KV, outputs included): recompute saved, not hits (vLLM #25787).
         prefill_tokens: tokens computed in prefill steps (prompt chunks, and the recompute of
             a preempted request). Without preemption, ``cached + prefill == prompt``.
         decode_tokens: tokens computed one at a time after the prompt (decode steps).
         num_preemptions: how often the request lost its KV to make room.
+        cached_forced_tokens: forced output tokens (the grammar's first run, appended before
+            admission) whose KV the tree already held at the first admission: another request
+            with the same prompt and grammar computed them. Without preemption,
+            ``cached + cached_forced + prefill + decode == prompt + outputs - 1``.
+        forced_tokens: output tokens its grammar forced and jump-forward appended without a
+            decode step each (they are computed in the next prefill chunk; counted in
+            ``prefill_tokens`` then).
     """
 
     prompt_tokens: int = 0
@@ -113,6 +125,8 @@ class RequestStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     num_preemptions: int = 0
+    cached_forced_tokens: int = 0
+    forced_tokens: int = 0
 
 
 class Request(Req):
@@ -142,6 +156,7 @@ class Request(Req):
             (:mod:`minirad.engine.processing`).
         generator: the request's sampling RNG (None for greedy).
         return_logits: keep each generated token's logits in ``logits``.
+        grammar: its structured-output state (:class:`~minirad.grammar.Grammar`), or None.
     """
 
     def __init__(
@@ -156,6 +171,7 @@ class Request(Req):
         segments: Sequence[ImageSegment] = (),
         generator: torch.Generator | None = None,
         return_logits: bool = False,
+        grammar: Grammar | None = None,
     ) -> None:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
@@ -167,6 +183,7 @@ class Request(Req):
         self.images = list(images)
         self.segments = list(segments)
         self.generator = generator
+        self.grammar = grammar
         self.logits: list[torch.Tensor] | None = [] if return_logits else None
         self.status = RequestStatus.WAITING
         self.stats = RequestStats(prompt_tokens=len(self.prompt_token_ids))
@@ -200,15 +217,48 @@ class Request(Req):
     # ------------------------------------------------------------------ generation
     def append_output_token_id(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token and finish the request if it should stop (vLLM's
-        ``check_stop``): a stop token, ``max_new_tokens`` reached, or the context full."""
+        ``check_stop``): a stop token, a complete grammar without stop tokens (nothing may
+        follow it), ``max_new_tokens`` reached, or the context full.
+
+        Raises:
+            GrammarError: the request's grammar does not allow the token.
+        """
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
         self.output_ids.append(token_id)
-        if token_id in self.stop_token_ids:
+        if token_id in self.stop_token_ids or (
+            self.grammar is not None and not self.stop_token_ids and self.grammar.is_terminated
+        ):
             self.status = RequestStatus.FINISHED_STOPPED
         elif (
             len(self.output_ids) >= self.sampling_params.max_new_tokens
             or self.num_tokens >= max_model_len
         ):
             self.status = RequestStatus.FINISHED_LENGTH
+
+    def jump_forward(self, max_model_len: int) -> int:
+        """Append the run of tokens the grammar forces next (jump-forward decoding, SGLang
+        paper §4) and return how many. They are outputs without KV: the next step computes them
+        with the request's last sampled token as one prefill chunk, instead of one decode step
+        each. The run stops one token short of ``max_new_tokens``, of the context, and (without
+        stop tokens) of the grammar's end, so that the request still ends on a sampled token."""
+        if self.grammar is None or self.is_finished:
+            return 0
+        room = min(
+            self.sampling_params.max_new_tokens - len(self.output_ids),
+            max_model_len - self.num_tokens,
+        )
+        forced = self.grammar.jump_forward_tokens()[: max(room - 1, 0)]
+        self.grammar.accept_tokens(forced)
+        if forced and not self.stop_token_ids and self.grammar.is_terminated:
+            # The run completes the text and no stop token will end it: hand its last token
+            # back to the sampler, which finishes the request on it (append_output_token_id),
+            # instead of sampling the grammar's end token after it.
+            self.grammar.rollback(1)
+            forced = forced[:-1]
+        self.output_ids.extend(forced)
+        self.stats.forced_tokens += len(forced)
+        return len(forced)
 
     def __repr__(self) -> str:
         return (

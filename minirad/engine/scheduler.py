@@ -267,8 +267,13 @@ class Scheduler:
                     request.stats.preempted_cached_tokens += found
                     self.num_preempted_cached_tokens += found
                 else:  # a first admission: prefix hits (vLLM's num_cached_tokens)
-                    request.stats.cached_tokens = found
-                    self.num_cached_tokens += found
+                    # Prompt tokens only: a grammar's first forced run (outputs appended before
+                    # admission, Request.jump_forward) may be found in the tree too; it saves
+                    # compute but is not a prompt hit, and would push the hit rate past 100%.
+                    hits = min(found, request.num_prompt_tokens)
+                    request.stats.cached_tokens = hits
+                    request.stats.cached_forced_tokens = found - hits
+                    self.num_cached_tokens += hits
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 self._add_scheduled(out, request, n, in_batch)

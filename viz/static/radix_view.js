@@ -18,6 +18,9 @@
 // touched in the DOM, so a step costs time proportional to what it changed.
 //
 // Live mode: Python sends {kind: "append", ...} messages with the frames computed since.
+//
+// Jump-forward: the tokens a grammar forced are marked on their edges (label.forced, runs of
+// [offset, num_tokens]): teal text, and a teal bar under their share of the box.
 
 const NS = "http://www.w3.org/2000/svg";
 const COL_W = 148, ROW_H = 64, BOX_W = 136, BOX_H = 38, MARGIN = 12;
@@ -197,11 +200,18 @@ function render({ model, el }) {
   const pool = svgEl("svg", { class: "rv-pool" }, root);
   const details = htmlEl("div", "rv-details", root, "Hover over a node or a pool cell.");
   const legend = htmlEl("div", "rv-legend", root);
-  for (const s of ["added", "accessed", "split", "evicted", "idle", "locked", "request", "free"]) {
+  const legendItems = {};
+  for (const s of ["added", "accessed", "split", "evicted", "idle", "locked", "request", "free", "forced"]) {
     const item = htmlEl("span", "rv-legend-item", legend);
     htmlEl("span", `rv-swatch ${s}`, item);
     item.append(s);
+    legendItems[s] = item;
   }
+  // "forced" only where a grammar forced tokens (a label has forced runs).
+  const showForcedLegend = () => {
+    legendItems.forced.hidden = !labels.some((l) => l && l.forced && l.forced.length);
+  };
+  showForcedLegend();
 
   // ---------------------------------------------------------------- drawing
   // The drawing keeps one scale while it plays (no zooming from frame to frame), set by the
@@ -268,6 +278,7 @@ function render({ model, el }) {
     r.imageBar = svgEl("rect", { class: "rv-image-bar", x: 0, y: 3, width: 4, height: BOX_H - 6 }, body);
     r.head = svgEl("text", { class: "rv-head", x: 8, y: 15 }, body);
     r.text = svgEl("text", { class: "rv-text", x: 8, y: 31 }, body);
+    r.forcedBars = svgEl("g", { class: "rv-forced-bars" }, body);
     r.badge = svgEl("g", { class: "rv-badge", transform: `translate(${BOX_W - 11},11)` }, body);
     svgEl("circle", { r: 9 }, r.badge);
     r.badgeText = svgEl("text", { y: 4, "text-anchor": "middle" }, r.badge);
@@ -304,15 +315,23 @@ function render({ model, el }) {
       r.label = n.label;
       r.text.replaceChildren();
       for (const [kind, t] of label.parts) {
-        svgEl("tspan", { class: kind === "image" ? "rv-chip" : "" }, r.text).textContent = t;
+        const cls = kind === "image" ? "rv-chip" : kind === "forced" ? "rv-forced" : "";
+        svgEl("tspan", { class: cls }, r.text).textContent = t;
       }
       r.imageBar.style.display = startsWithImage(label) ? "" : "none";
+      r.forcedBars.replaceChildren();
+      for (const [offset, k] of label.forced || []) {
+        const x0 = Math.floor((BOX_W * offset) / n.n), x1 = Math.floor((BOX_W * (offset + k)) / n.n);
+        svgEl("rect", { class: "rv-forced-bar", x: x0, y: BOX_H - 5, width: Math.max(x1 - x0, 2), height: 4 }, r.forcedBars);
+      }
     }
     r.head.textContent = n.state === "evicted"
       ? `#${n.id}  evicted  ${n.n} tok`
       : `${n.state === "split" ? "✂ " : ""}#${n.id}  ${n.n} tok  t=${n.last}`;
     let hover = `node ${n.id}: ${plural(n.n, "token")}, lock_ref ${n.lock}, last access ${n.last}`;
     if (n.extra_key !== null) hover += `, extra_key ${n.extra_key}`;
+    const forced = numForced(label);
+    if (forced) hover += `, ${plural(forced, "forced token")} (jump-forward)`;
     r.title.textContent = `${hover}\n${label.full}`;
     r.badge.style.display = n.lock > 0 ? "" : "none";
     r.badgeText.textContent = n.lock;
@@ -324,6 +343,7 @@ function render({ model, el }) {
   }
 
   const startsWithImage = (label) => label.images.length > 0 && label.images[0][0] === 0;
+  const numForced = (label) => (label.forced || []).reduce((sum, [, k]) => sum + k, 0);
 
   function drawTree(f, animate) {
     const view = visibleNodes(f, maxNodes(), pinned, animate ? new Set(nodes.keys()) : new Set());
@@ -537,6 +557,11 @@ function render({ model, el }) {
           img.alt = name;
         }
       }
+      const forced = numForced(label);
+      if (forced) {
+        const runs = label.forced.map(([o, k]) => `${plural(k, "token")} at ${o}`);
+        htmlEl("div", "rv-forced", details, `forced by the grammar (jump-forward): ${runs.join(", ")}`);
+      }
       htmlEl("pre", "", details, label.full);
       const more = n.n > label.tokens.length ? " …" : "";
       htmlEl("div", "rv-tokens", details, `token ids: ${label.tokens.join(" ")}${more}`);
@@ -611,6 +636,7 @@ function render({ model, el }) {
     labels = [...model.get("_labels")];
     thumbs = model.get("_images") || {};
     cache.clear();
+    showForcedLegend();
     shown = -1;
     ext = { cols: 1, rows: 1 };
     sized = 0;
@@ -627,6 +653,7 @@ function render({ model, el }) {
     for (const i of cache.keys()) if (i >= msg.start) cache.delete(i);
     sized = Math.min(sized, msg.start);
     for (const [i, label] of msg.labels) labels[i] = label;
+    showForcedLegend();
     if (msg.images) thumbs = { ...thumbs, ...msg.images };
     sizeTree(false);
     if (follow) go(raw.length - 1);
