@@ -73,6 +73,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or logits.dim() != 2:
         raise InvalidArgumentError("apply_token_bitmask takes [B, V] logits and [B, W] int32")
+    if not logits.is_floating_point():
+        raise InvalidArgumentError(f"logits must be floating point (-inf), got {logits.dtype}")
     batch, vocab = logits.shape
     if bitmask.shape[0] != batch or vocab > 32 * bitmask.shape[1]:
         raise InvalidArgumentError(
@@ -169,7 +171,15 @@ class Grammar:
 
     def _raise_if_error(self) -> None:
         if self._matcher.is_error():
-            raise GrammarError(f"{self.kind} grammar: {self._matcher.get_error()}")
+            raise GrammarError(f"{self.kind} grammar: {_one_line(self._matcher.get_error())}")
+
+
+def _one_line(message: str) -> str:
+    """llguidance's error without its echo of the grammar source (the lines from ``1 | ...``
+    on), on one line: what the user wrote and what is wrong with it."""
+    lines = [line.strip() for line in message.splitlines()]
+    end = next((i for i, line in enumerate(lines) if line[:1].isdigit() and " | " in line), None)
+    return " ".join(line for line in lines[:end] if line and set(line) != {"^"})[:300]
 
 
 class GrammarCompiler:
@@ -213,7 +223,13 @@ class GrammarCompiler:
                 self._ll_tokenizer(stop), _grammar_text(params), log_level=0
             )
             if template.is_error():
-                raise GrammarError(f"invalid {kind}: {template.get_error()}")
+                raise GrammarError(f"invalid {kind}: {_one_line(template.get_error())}")
+            # A grammar whose first state allows no token (a regex of an empty character class)
+            # would leave a request nothing to sample: refuse it here, not mid-step.
+            start = allocate_token_bitmask(1, self.vocab_size)
+            template.unsafe_compute_mask_ptr(start.data_ptr(), start.numel() * 4)
+            if template.is_error() or not start.any():
+                raise GrammarError(f"the {kind} allows no text: no token can start it")
             self._compiled[key] = template
             self.num_compiled += 1
         else:

@@ -94,14 +94,16 @@ class SamplingParams:
             if not isinstance(schema, Mapping):
                 raise GrammarError(f"json_schema must be a JSON object, got {schema!r}")
             try:
-                json.dumps(schema)
+                json.dumps(schema, allow_nan=False)  # NaN and Infinity are not JSON
             except (TypeError, ValueError) as e:
                 raise GrammarError(f"json_schema is not JSON-serializable: {e}") from None
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise GrammarError(f"regex must be a non-empty string, got {self.regex!r}")
         if self.choice is not None:
-            if isinstance(self.choice, str):
-                raise GrammarError("choice must be a list of strings, not one string")
+            if not isinstance(self.choice, list | tuple):  # ordered: a set's order varies
+                raise GrammarError(
+                    f"choice must be a list of strings, got {type(self.choice).__name__}"
+                )
             choices = tuple(self.choice)
             if not choices or not all(isinstance(c, str) and c for c in choices):
                 raise GrammarError(

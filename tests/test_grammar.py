@@ -154,7 +154,11 @@ BAD_PARAMS = [  # (constraint, stage it fails at, words the message must contain
     (dict(json_schema=[{"type": "string"}]), "params", "JSON object"),
     (dict(choice=[]), "params", "non-empty"),
     (dict(choice=["red", ""]), "params", "non-empty"),
-    (dict(choice="red"), "params", "not one string"),
+    (dict(choice="red"), "params", "list of strings, got str"),
+    (dict(choice={"red", "blue"}), "params", "got set"),  # unordered: the key would vary
+    (dict(choice={"red": 1}), "params", "got dict"),
+    (dict(json_schema={"type": "number", "maximum": float("nan")}), "params", "serializable"),
+    (dict(regex="[^\\x00-\\U0010FFFF]"), "compile", "allows no text"),
     (dict(regex=""), "params", "non-empty"),
     (dict(regex="red", choice=["red"]), "params", "at most one"),
     (dict(json_schema={"type": "string"}, regex="a"), "params", "at most one"),

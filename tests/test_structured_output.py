@@ -462,3 +462,23 @@ def test_jump_forward_text_equals_hf(vlm, cases, alone):
             continue
         hf = hf_constrained(vlm, request)
         assert ours.text == tokenizer.decode(hf, skip_special_tokens=True), name
+
+
+def test_a_broken_grammar_aborts_its_request_not_the_engine(vlm, cases):
+    """A matcher that enters an error state mid-generation (here: fed a token it forbids, through
+    the public accept_token) ends its own request with finish reason "abort"; the engine keeps
+    its invariants and serves the next request as if nothing happened."""
+    eng = make_engine(vlm)
+    name, request = cases[0]
+    expected = run(eng, [request])[0].token_ids
+    eng.reset_prefix_cache()
+    rid = eng.add_request(request)
+    eng.step()
+    grammar = eng.scheduler.requests[rid].grammar
+    with pytest.raises(GrammarError):
+        grammar.accept_token(1)  # <|im_start|>: never allowed in the answer
+    outs = [o for o in eng.step() if o.rid == rid]
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert not eng.has_unfinished_requests()
+    eng.check_invariants()
+    assert run(eng, [request])[0].token_ids == expected

@@ -42,7 +42,7 @@ from ..vllm_env import VLLM_BLOCK_SIZE
 from .encoder_cache import EncoderCache
 from .model_runner import PREFETCH_LOOKAHEAD, ModelRunner
 from .processing import InputProcessor
-from .request import GenerateRequest, Request, RequestOutput
+from .request import GenerateRequest, Request, RequestOutput, RequestStatus
 from .sampling import sample
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -364,7 +364,13 @@ class LLMEngine:
             return
         bitmask = allocate_token_bitmask(len(constrained), logits.shape[-1])
         for row, i in enumerate(constrained):
-            requests[i].grammar.fill_bitmask(bitmask, row)
+            try:
+                requests[i].grammar.fill_bitmask(bitmask, row)
+            except GrammarError:
+                # A matcher in an error state ends its own request (finish reason "abort",
+                # its sample dropped), never the engine (compile already refuses a grammar
+                # whose first state allows nothing).
+                requests[i].status = RequestStatus.FINISHED_ABORTED
         rows = logits[constrained]
         apply_token_bitmask(rows, bitmask)
         logits[constrained] = rows

@@ -220,9 +220,13 @@ class Request(Req):
         ``check_stop``): a stop token, a complete grammar without stop tokens (nothing may
         follow it), ``max_new_tokens`` reached, or the context full.
 
+        A request already finished (aborted during the step) drops the token.
+
         Raises:
             GrammarError: the request's grammar does not allow the token.
         """
+        if self.is_finished:
+            return
         if self.grammar is not None:
             self.grammar.accept_token(token_id)
         self.output_ids.append(token_id)
