@@ -1,4 +1,4 @@
-"""The ``minirad`` command: ask the course's tiny VLM about images, one prompt or a batch.
+"""The ``minirad`` command: ask the course's tiny VLM about images: a prompt, a batch, over HTTP.
 
 Usage::
 
@@ -7,6 +7,7 @@ Usage::
     minirad generate --image a.png --prompt "List the shapes as JSON." --json-schema shapes.json
     minirad generate --image a.png --prompt "What colour is the circle?" --choice red blue
     minirad batch requests.jsonl --prefix-strategy radix --page-size 4
+    minirad serve --port 8000   # an OpenAI-compatible HTTP server (minirad.serve)
 
 ``batch`` reads one JSON object per line::
 
@@ -57,7 +58,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 from .argtypes import positive_int, prompt_text, sampling_arg
 from .errors import GrammarError, ImageError, InvalidArgumentError, MiniradError, RequestError
@@ -71,7 +72,9 @@ __all__ = [
     "BatchStats",
     "build_parser",
     "chat_prompt",
+    "chat_template",
     "check_image",
+    "check_image_pixels",
     "check_model_dir",
     "check_prompt",
     "cut_note",
@@ -120,12 +123,26 @@ def chat_prompt(processor, prompt: str, num_images: int) -> str:
     Raises:
         RequestError: the processor has no chat template (use ``--raw``).
     """
-    if getattr(processor, "chat_template", None) is None:
-        raise RequestError("the model's processor has no chat template; pass --raw")
     content = [{"type": "image"}] * num_images + [{"type": "text", "text": prompt}]
-    return processor.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
+    return chat_template(processor, [{"role": "user", "content": content}])
+
+
+def chat_template(processor, messages: Sequence[dict]) -> str:
+    """``messages`` rendered by the processor's chat template, with the assistant header
+    (``add_generation_prompt``). Each message is HF's chat format: ``{"role": ..., "content":
+    text}`` or a content list of ``{"type": "image"}`` and ``{"type": "text", "text": ...}``
+    items (one ``<image>`` placeholder per image item, in order).
+
+    Raises:
+        RequestError: the processor has no chat template (``minirad generate`` / ``batch``:
+            pass ``--raw``; ``minirad serve``: use ``/v1/completions``).
+    """
+    if getattr(processor, "chat_template", None) is None:
+        raise RequestError(
+            "the model's processor has no chat template; pass --raw (minirad serve: use "
+            "/v1/completions with a templated prompt)"
+        )
+    return processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
 
 
 def check_image(path: Path, where: str = "", written: str | None = None) -> None:
@@ -140,8 +157,6 @@ def check_image(path: Path, where: str = "", written: str | None = None) -> None
             more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (PIL's decompression-bomb limit:
             decoding it takes tens of seconds and the model downsizes it anyway).
     """
-    from PIL import Image, UnidentifiedImageError
-
     written = str(path) if written is None else written
     shown = repr(written)
     if str(path.resolve()) != written:
@@ -150,13 +165,27 @@ def check_image(path: Path, where: str = "", written: str | None = None) -> None
         raise ImageError(f"{where}image {shown} is a directory, not an image file")
     if not path.exists():
         raise ImageError(f"{where}image {shown} not found")
+    check_image_pixels(path, shown, where)
+
+
+def check_image_pixels(source: Path | BinaryIO, shown: str, where: str = "") -> None:
+    """Refuse an image PIL cannot identify or that is too large, from its header only: the
+    part of :func:`check_image` that a file object (an image sent over HTTP) needs too.
+    ``shown`` names the image in the message (``"'a.png'"``), ``where`` prefixes it.
+
+    Raises:
+        ImageError: not an image PIL can identify, or more pixels than
+            ``PIL.Image.MAX_IMAGE_PIXELS``.
+    """
+    from PIL import Image, UnidentifiedImageError
+
     limit = Image.MAX_IMAGE_PIXELS
     too_big = f"downscale it first; minirad reads images up to {limit:,} pixels"
     try:
         with warnings.catch_warnings():
             # PIL warns above the limit and raises above twice it: we refuse both, in words.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
+            with Image.open(source) as img:
                 width, height = img.size
     except Image.DecompressionBombError as e:
         raise ImageError(f"{where}image {shown} has over {2 * limit:,} pixels: {too_big}") from e
@@ -579,12 +608,25 @@ def _named(
     return list(requests)
 
 
-def _batch(args: argparse.Namespace) -> int:
+def _check_pool(args: argparse.Namespace) -> None:
     if args.num_kv_slots % args.page_size:
         raise InvalidArgumentError(
             f"--num-kv-slots {args.num_kv_slots} is not a multiple of --page-size "
             f"{args.page_size}: the pool is whole pages"
         )
+
+
+def _engine_settings(args: argparse.Namespace) -> dict:
+    return {
+        "prefix_strategy": args.prefix_strategy,
+        "page_size": args.page_size,
+        "num_kv_slots": args.num_kv_slots,
+        "policy": args.policy,
+    }
+
+
+def _batch(args: argparse.Namespace) -> int:
+    _check_pool(args)
     lines = load_requests(args.requests, args.max_new_tokens)
     model_dir = check_model_dir(args.model)
     placeholder = _image_token(model_dir)
@@ -592,13 +634,7 @@ def _batch(args: argparse.Namespace) -> int:
         check_prompt(line.prompt, len(line.images), args.raw, placeholder, f"{line.where}: ")
         if len(line.images) > 1 and not args.raw:
             _images_note(args.command, model_dir, len(line.images), f"{line.where}: ")
-    engine = _load_engine(
-        args,
-        prefix_strategy=args.prefix_strategy,
-        page_size=args.page_size,
-        num_kv_slots=args.num_kv_slots,
-        policy=args.policy,
-    )
+    engine = _load_engine(args, **_engine_settings(args))
     requests = [_request(engine, line.prompt, line.images, args.raw, line.params) for line in lines]
     for line in lines:
         if not line.images:
@@ -615,6 +651,45 @@ def _batch(args: argparse.Namespace) -> int:
         print(f"[{i}] {line.prompt}{about}\n    -> {out.text}\n    {note}")
     print()
     print(stats.format())
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _check_pool(args)
+    # vLLM serves a model under its --model string; the shipped one under its folder name
+    # (its default path is absolute, different on every machine).
+    name = args.served_model_name or args.model or DEFAULT_MODEL_DIR.name
+    args.model = args.model or str(DEFAULT_MODEL_DIR)
+    check_model_dir(args.model)
+    if args.allowed_local_media_path is not None:
+        if not Path(args.allowed_local_media_path).is_dir():
+            raise InvalidArgumentError(
+                f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a folder"
+            )
+    events = {
+        "kv_events_endpoint": args.kv_events_endpoint,
+        "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
+    }
+    if args.kv_events_block_size is not None:
+        events["kv_events_block_size"] = args.kv_events_block_size
+    if args.kv_events_endpoint is None and (
+        args.kv_events_replay_endpoint is not None or args.kv_events_block_size is not None
+    ):
+        raise InvalidArgumentError("the --kv-events-* options need --kv-events-endpoint")
+    engine = _load_engine(args, **_engine_settings(args), **events)
+    if (publisher := engine.kv_event_publisher) is not None:  # a '*' port is known only now
+        replay = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+        print(f"minirad serve: KV events on {publisher.endpoint}{replay}", file=sys.stderr)
+    from .serve import run_server  # FastAPI and uvicorn: only this command needs them
+
+    run_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=name,
+        model_path=args.model,
+        allowed_local_media_path=args.allowed_local_media_path,
+    )
     return 0
 
 
@@ -635,7 +710,7 @@ class _BatchHelpFormatter(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``minirad`` parser: ``generate`` and ``batch`` subcommands."""
+    """The ``minirad`` parser: ``generate``, ``batch`` and ``serve`` subcommands."""
     parser = argparse.ArgumentParser(prog="minirad", description="serve the minirad tiny VLM")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -696,18 +771,74 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(b)
     b.add_argument("requests", help="JSONL file: one request object per line")
     b.add_argument("--max-new-tokens", type=positive_int, default=32, help="unless a line sets it")
-    b.add_argument(
+    _add_engine_options(b)
+    b.set_defaults(run=_batch)
+
+    s = sub.add_parser(
+        "serve",
+        help="serve the model over HTTP (OpenAI-compatible API, as vllm serve)",
+        formatter_class=fmt,
+        description="An OpenAI-compatible server (minirad.serve): /v1/chat/completions, "
+        "/v1/completions, /v1/models, /health, /metrics (vLLM's metric names).",
+    )
+    s.add_argument(
+        "--model",
+        default=None,
+        help=f"local model folder (default: the shipped {DEFAULT_MODEL_DIR.name}, served under "
+        "that name)",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and /v1/models lists (default: --model as given)",
+    )
+    s.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="image file paths must lie in this folder (default: any readable path)",
+    )
+    s.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    _add_engine_options(s)
+    events = s.add_argument_group(
+        "KV events", "publish the radix tree's blocks as vLLM KV events over ZMQ (off by default)"
+    )
+    events.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="URL",
+        help="PUB socket, e.g. tcp://*:5557 (vLLM's KVEventsConfig.endpoint)",
+    )
+    events.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="URL",
+        help="replay ROUTER socket, e.g. tcp://*:5558 (vLLM's replay_endpoint)",
+    )
+    events.add_argument(
+        "--kv-events-block-size",
+        type=positive_int,
+        default=None,
+        help="tokens per published block (default: vLLM's CPU block size, 32)",
+    )
+    s.set_defaults(run=_serve)
+    return parser
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine settings that ``batch`` and ``serve`` share."""
+    p.add_argument(
         "--prefix-strategy",
         choices=PREFIX_STRATEGIES,
         default="radix",
         help="reuse of cached prompt KV: radix (the longest cached prefix, images included, "
         "SGLang's RadixAttention), truncate (only the text before the first image), none",
     )
-    b.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
-    b.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool in tokens")
-    b.add_argument("--policy", choices=SCHEDULING_POLICIES, default="fcfs", help="scheduling order")
-    b.set_defaults(run=_batch)
-    return parser
+    p.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
+    p.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool in tokens")
+    p.add_argument("--policy", choices=SCHEDULING_POLICIES, default="fcfs", help="scheduling order")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,6 +96,8 @@ class EngineStats:
 
     ``prefill_tokens`` and ``decode_tokens`` are what the model computed; ``cached_tokens``
     and ``preempted_cached_tokens`` what the radix tree saved (see ``RequestStats``);
+    ``queried_tokens`` the prompt tokens looked up in the tree at first admissions (the hit
+    rate's denominator: vLLM's ``prefix_cache_queries``, ``cached_tokens`` its hits);
     ``encoder_calls`` / ``encoder_hits`` vision-tower runs and runs the encoder cache saved;
     ``forced_tokens`` the output tokens jump-forward appended (decode steps they did not need).
     """
@@ -104,6 +106,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cached_tokens: int = 0
+    queried_tokens: int = 0
     preempted_cached_tokens: int = 0
     num_preemptions: int = 0
     num_finished: int = 0
@@ -450,6 +453,7 @@ class LLMEngine:
         return replace(
             self._stats,
             cached_tokens=self.scheduler.num_cached_tokens,
+            queried_tokens=self.scheduler.num_queried_tokens,
             preempted_cached_tokens=self.scheduler.num_preempted_cached_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             encoder_calls=self.encoder_cache.num_encoder_calls,

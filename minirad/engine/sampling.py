@@ -47,7 +47,10 @@ def sample_one(
     """One token id from ``logits`` ``[V]`` (any dtype; computed in fp32)."""
     if params.greedy:
         return int(logits.argmax())
-    x = logits.float().cpu() / params.temperature  # the generators live on the CPU
+    x = logits.float().cpu()  # the generators live on the CPU
+    # Shifted so the largest logit is 0 before dividing: a tiny temperature then sends the
+    # others to -inf instead of the largest to inf (inf - inf: NaN probabilities).
+    x = (x - x.max()) / params.temperature
     x = apply_top_p(apply_top_k(x, params.top_k), params.top_p)
     return int(torch.multinomial(x.softmax(-1), 1, generator=generator))
 

@@ -168,6 +168,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the tree, first admissions only
+        self.num_queried_tokens = 0  # prompt tokens looked up there, first admissions only
         self.num_preempted_cached_tokens = 0  # tokens readmitted requests found again
 
     # ------------------------------------------------------------------ requests
@@ -274,6 +275,7 @@ class Scheduler:
                     request.stats.cached_tokens = hits
                     request.stats.cached_forced_tokens = found - hits
                     self.num_cached_tokens += hits
+                    self.num_queried_tokens += request.num_prompt_tokens
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 self._add_scheduled(out, request, n, in_batch)

@@ -1,0 +1,898 @@
+"""``minirad serve``: our engine behind an OpenAI-compatible HTTP API, as ``vllm serve`` is.
+
+Routers (sglang-router, vllm-router), benchmark clients and the ``openai`` Python client speak
+this API to vLLM and SGLang; a server that answers the same requests in the same shapes slots
+into the same setups. The web stack is vLLM's: FastAPI on uvicorn.
+
+Two threads share the work::
+
+    HTTP handlers (asyncio)                            engine thread (owns the LLMEngine)
+      parse the request, build the prompt     --add-->   add_request (tokenize, images, grammar)
+      await outputs: one asyncio.Queue per    <--ack--   the rid, or the typed error it raised
+        request, fed with call_soon_threadsafe <--out--  step() while there is work; blocks on
+      client gone / stream closed             --abort->    its inbox when idle (no spinning)
+
+Only the engine thread touches the engine; after each step it stores a snapshot of the
+counters, which ``/metrics`` reads (before it hands out that step's outputs, so a client that
+got its answer scrapes counters that include it).
+
+Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
+
+- ``POST /v1/chat/completions``: ``messages`` (roles as the chat template renders them;
+  ``content`` a string or a list of ``{"type": "text", "text": ...}`` and ``{"type":
+  "image_url", "image_url": {"url": ...}}`` parts, kept in order). An image URL is a
+  ``data:image/...;base64,...`` URL, or a local file path (plain or ``file://``, relative to
+  the server's working folder, under ``allowed_local_media_path`` if set); http(s) URLs are
+  refused (nothing is fetched over the network).
+- ``POST /v1/completions``: ``prompt`` as text (sent as written, no chat template) or one list
+  of token ids.
+- Both: ``max_tokens`` (chat: also ``max_completion_tokens``; default: until the context is
+  full, completions: 16), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``
+  (stop on these as well as EOS), ``ignore_eos``, ``stream`` with ``stream_options.
+  include_usage``, structured output as ``response_format`` (``json_schema``, ``json_object``),
+  ``structured_outputs`` (``json``, ``regex``, ``choice``, ``json_object``) or the older
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` (one constraint per request). Unset
+  sampling fields take the model's ``generation_config`` values, else OpenAI's defaults
+  (temperature 1, as vLLM does): send ``"temperature": 0`` for greedy answers.
+  Refused with a 400: ``n`` > 1, ``stop`` strings, ``logprobs``, ``echo``. Other fields are
+  ignored, as vLLM ignores fields it does not know.
+- ``usage`` (in every answer, and in a stream's last chunk with ``include_usage``) has
+  ``prompt_tokens_details.cached_tokens``: the prompt tokens the radix tree held for this
+  request at its admission (:class:`~minirad.engine.RequestStats`).
+- ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine thread has failed),
+  ``GET /metrics``: Prometheus text with vLLM 0.32's names (``vllm/v1/metrics/loggers.py``)
+  and labels ``model_name``, ``engine``: ``vllm:prefix_cache_queries_total`` /
+  ``vllm:prefix_cache_hits_total`` (prompt tokens looked up / found at first admissions),
+  ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+  ``vllm:request_success_total{finished_reason}``, ``vllm:num_preemptions_total``, and the
+  gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` (the pool's share held by unfinished requests; cached slots
+  that nothing locks count as free, as vLLM counts them).
+
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
+``BadRequestError`` for a request the engine refuses (every typed error of
+:mod:`minirad.errors`: malformed JSON, a bad field, an unreadable image, a grammar that does
+not compile...), 404 ``NotFoundError`` for a model name this server does not serve.
+
+Example::
+
+    minirad serve --port 8000
+    curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d \\
+      '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url":
+        {"url": "data/images/orange_square.png"}}, {"type": "text", "text":
+        "What colour is the square?"}]}], "temperature": 0}'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from PIL import Image
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field
+
+from .cli import chat_template, check_image, check_image_pixels
+from .engine import EngineStats, GenerateRequest, LLMEngine, RequestOutput
+from .errors import GrammarError, ImageError, MiniradError, RequestError
+from .sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncLLMEngine",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "EngineDeadError",
+    "EngineSnapshot",
+    "RequestStream",
+    "build_app",
+    "run_server",
+]
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------ the protocol
+class _Model(BaseModel):
+    # Fields minirad does not read are ignored, as vLLM ignores them (it logs them); the
+    # ones that would change the answer are refused (_SamplingFields.check_supported).
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Model):
+    url: str
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL | str  # vLLM also takes the URL as a bare string
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(_Model):
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # `schema` is a BaseModel method
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's ``StructuredOutputsParams``, the kinds our grammar backend compiles; the others
+    (``grammar``, ``structural_tag``) are refused rather than ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
+class _SamplingFields(_Model):
+    """What both endpoints read besides the prompt (OpenAI's names, vLLM's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch's generators take
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    def check_supported(self) -> None:
+        """Raises RequestError for a field whose meaning the engine cannot honour."""
+        if self.n != 1:
+            raise RequestError(f"n must be 1 (one choice per request), got {self.n}")
+        if self.stop:
+            raise RequestError("stop strings are not supported; stop on tokens: stop_token_ids")
+
+    def sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, Any], eos: Sequence[int]
+    ) -> SamplingParams:
+        """The engine's :class:`SamplingParams` for this request.
+
+        Raises:
+            RequestError: an unsupported field or a value out of range.
+            GrammarError: more than one structured-output constraint, or a malformed one.
+        """
+        self.check_supported()
+        if max_tokens < 1:  # said with the request's name for it (SamplingParams: max_new_tokens)
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+        if self.stop_token_ids is None and not self.ignore_eos:
+            stop = None  # the engine's default: the model's EOS
+        else:  # vLLM's stop_token_ids stop as well as EOS, not instead of it
+            stop = (() if self.ignore_eos else tuple(eos)) + tuple(self.stop_token_ids or ())
+
+        def given(name: str, default: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, default)
+
+        top_k = given("top_k", 0)
+        return SamplingParams(
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=0 if top_k == -1 else top_k,  # vLLM and SGLang spell "off" -1
+            seed=self.seed,
+            max_new_tokens=max_tokens,
+            stop_token_ids=stop,
+            **self._constraint(),
+        )
+
+    def _constraint(self) -> dict[str, Any]:
+        found: dict[str, tuple[str, Any]] = {}  # request field -> (SamplingParams field, value)
+        if (fmt := self.response_format) is not None and fmt.type == "json_object":
+            found["response_format"] = ("json_schema", {"type": "object"})
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise GrammarError("response_format of type json_schema needs json_schema.schema")
+            found["response_format"] = ("json_schema", fmt.json_schema.schema_)
+        if (so := self.structured_outputs) is not None:
+            for name, kind, value in (
+                ("json", "json_schema", so.json_),
+                ("regex", "regex", so.regex),
+                ("choice", "choice", so.choice),
+                ("json_object", "json_schema", {"type": "object"} if so.json_object else None),
+            ):
+                if value is not None:
+                    found[f"structured_outputs.{name}"] = (kind, value)
+        for name, kind in (
+            ("guided_json", "json_schema"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+        ):
+            if (value := getattr(self, name)) is not None:
+                found[name] = (kind, value)
+        if len(found) > 1:
+            raise GrammarError(f"give one structured-output constraint, got {', '.join(found)}")
+        return dict(found.values())
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """The body of ``POST /v1/chat/completions`` (module docstring)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise RequestError("logprobs are not supported")
+
+
+class CompletionRequest(_SamplingFields):
+    """The body of ``POST /v1/completions`` (module docstring)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise RequestError("echo is not supported")
+        if self.logprobs is not None:
+            raise RequestError("logprobs are not supported")
+
+
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
+    """OpenAI's (and vLLM's) error body."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status, param), status_code=status)
+
+
+class _NotFound(Exception):
+    """A model name this server does not serve (404, param ``model``)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an unexpected error; the server answers 503."""
+
+
+# --------------------------------------------------------------------------- the engine thread
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What ``/metrics`` reports, taken by the engine thread after each step.
+
+    ``prompt_tokens``: prompt tokens of the requests that got their first output token
+    (vLLM's ``vllm:prompt_tokens``, cached ones included); ``generation_tokens``: tokens
+    handed out; ``finished``: finished requests by finish reason.
+    """
+
+    stats: EngineStats
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prompt_tokens: int
+    generation_tokens: int
+    finished: Mapping[str, int]
+
+
+class _Channel:
+    """One request's outputs, from the engine thread to the handler's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator (the last has ``finished`` set).
+
+    :meth:`abort` stops the request in the engine (its KV stays cached, unlocked); it does
+    nothing once the last output arrived, so a handler calls it however it ends.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, rid: str, channel: _Channel) -> None:
+        self.engine, self.rid, self._channel = engine, rid, channel
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._channel.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.rid)
+
+
+class AsyncLLMEngine:
+    """An :class:`~minirad.engine.LLMEngine` run by its own thread, for asyncio callers
+    (vLLM v0's ``AsyncLLMEngine``: a background loop over the engine's ``step``).
+
+    :meth:`start` starts the thread; :meth:`add_request` (from an event loop) returns a
+    :class:`RequestStream`; :meth:`shutdown` stops the thread after its current step and
+    closes the engine's KV-event sockets. :attr:`snapshot` is an :class:`EngineSnapshot`.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands; None: stop
+        self._thread = threading.Thread(target=self._run, name="minirad-engine", daemon=True)
+        self._channels: dict[str, _Channel] = {}  # the engine thread's only
+        self._prompt_tokens = self._generation_tokens = 0
+        self._finished: Counter[str] = Counter()
+        self.error: BaseException | None = None
+        self.snapshot = self._snapshot()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(None)
+            self._thread.join()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def add_request(self, request: GenerateRequest) -> RequestStream:
+        """Queue ``request`` (its ``rid`` set) in the engine; returns its outputs.
+
+        Raises:
+            MiniradError: what :meth:`LLMEngine.add_request` raised (nothing is queued).
+            EngineDeadError: the engine thread has stopped.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        channel = _Channel(asyncio.get_running_loop())
+        self._inbox.put(("add", request, channel))
+        try:
+            ack = await channel.queue.get()
+        except asyncio.CancelledError:  # the client left before the engine took it
+            self.abort(request.rid)
+            raise
+        if isinstance(ack, BaseException):
+            raise ack
+        return RequestStream(self, request.rid, channel)
+
+    def abort(self, rid: str) -> None:
+        """Abort request ``rid`` (thread-safe; nothing happens if it has finished)."""
+        self._inbox.put(("abort", rid))
+
+    # -------------------------------------------------------------- on the engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        replies: list[tuple[_Channel, object]] = []  # this round's answers, sent after it
+        try:
+            while True:
+                # Block while idle; with requests in flight take only what has arrived.
+                commands = [] if engine.has_unfinished_requests() else [self._inbox.get()]
+                while True:
+                    try:
+                        commands.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                replies = []
+                for command in commands:
+                    if command is None:
+                        return
+                    self._handle(command, replies)
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        self._count(out)
+                        channel = self._channels.get(out.rid)
+                        if out.finished:
+                            self._channels.pop(out.rid, None)
+                        if channel is not None:
+                            replies.append((channel, out))
+                self.snapshot = self._snapshot()
+                for channel, item in replies:
+                    channel.put(item)
+        except Exception as e:  # a bug, not a bad request: fail every request, stay answering
+            log.exception("the engine thread failed")
+            self.error = EngineDeadError(f"the engine has stopped: {e!r}")
+            for channel, _ in replies:  # acks and refusals of this round never went out
+                channel.put(self.error)
+            self._fail_all()
+        finally:
+            for channel in self._channels.values():  # shut down with requests in flight
+                channel.put(EngineDeadError("the server is shutting down"))
+            engine.close()
+
+    def _handle(self, command: tuple, replies: list) -> None:
+        kind, *args = command
+        if kind == "add":
+            request, channel = args
+            try:
+                self.engine.add_request(request)
+            except Exception as e:  # nothing was queued: the handler answers with it
+                replies.append((channel, e))
+                return
+            self._channels[request.rid] = channel
+            replies.append((channel, request.rid))
+        elif self._channels.pop(args[0], None) is not None:  # "abort" of an unfinished request
+            out = self.engine.abort_request(args[0])
+            if out is not None:
+                self._finished[out.finish_reason] += 1
+
+    def _count(self, out: RequestOutput) -> None:
+        if len(out.new_token_ids) == len(out.token_ids):  # its first output
+            self._prompt_tokens += out.stats.prompt_tokens
+        self._generation_tokens += len(out.new_token_ids)
+        if out.finished:
+            self._finished[out.finish_reason] += 1
+
+    def _snapshot(self) -> EngineSnapshot:
+        e = self.engine
+        held = e.allocator.used_size() - e.tree_cache.evictable_size()
+        return EngineSnapshot(
+            stats=e.stats,
+            num_running=len(e.scheduler.running),
+            num_waiting=len(e.scheduler.waiting),
+            kv_cache_usage=held / e.allocator.size,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            finished=dict(self._finished),
+        )
+
+    def _fail_all(self) -> None:
+        """After a failure: every waiting handler gets the error, and so does every later
+        command, until :meth:`shutdown` (no handler waits forever)."""
+        for channel in self._channels.values():
+            channel.put(self.error)
+        self._channels.clear()
+        while (command := self._inbox.get()) is not None:
+            if command[0] == "add":
+                command[2].put(self.error)
+
+
+# ------------------------------------------------------------------------------ the metrics
+class _VLLMMetrics:
+    """A prometheus_client collector over :attr:`AsyncLLMEngine.snapshot`, in vLLM's names
+    and help texts (a counter ``x`` is exposed as ``x_total``)."""
+
+    METRICS: tuple[tuple[type, str, str, Callable[[EngineSnapshot], float]], ...] = (
+        (
+            CounterMetricFamily,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            lambda s: s.stats.queried_tokens,
+        ),
+        (
+            CounterMetricFamily,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            lambda s: s.stats.cached_tokens,
+        ),
+        (
+            CounterMetricFamily,
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            lambda s: s.prompt_tokens,
+        ),
+        (
+            CounterMetricFamily,
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            lambda s: s.generation_tokens,
+        ),
+        (
+            CounterMetricFamily,
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            lambda s: s.stats.num_preemptions,
+        ),
+        (
+            GaugeMetricFamily,
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            lambda s: s.num_running,
+        ),
+        (
+            GaugeMetricFamily,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            lambda s: s.num_waiting,
+        ),
+        (
+            GaugeMetricFamily,
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            lambda s: s.kv_cache_usage,
+        ),
+    )
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine, self.labels = engine, [model_name, "0"]
+
+    def collect(self):
+        snapshot, names = self.engine.snapshot, ["model_name", "engine"]
+        for family, name, doc, value in self.METRICS:
+            metric = family(name, doc, labels=names)
+            metric.add_metric(self.labels, value(snapshot))
+            yield metric
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*names, "finished_reason"],
+        )
+        for reason in ("stop", "length", "abort"):
+            success.add_metric([*self.labels, reason], snapshot.finished.get(reason, 0))
+        yield success
+
+
+# ---------------------------------------------------------------------------------- the inputs
+def _image(url: str, allowed_root: Path | None) -> Image.Image | str:
+    """An image part's URL as what the engine takes: a decoded PIL image (a data URL) or a
+    checked file path.
+
+    Raises:
+        ImageError: a malformed data URL, a network URL, a path outside ``allowed_root``, or
+            an image :func:`~minirad.cli.check_image` refuses.
+    """
+    if url.startswith("data:"):
+        header, comma, payload = url.partition(",")
+        if not comma or not header.endswith(";base64"):
+            raise ImageError("an image data URL must be data:image/<format>;base64,<data>")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except binascii.Error as e:
+            raise ImageError(f"the image data URL is not valid base64: {e}") from e
+        check_image_pixels(io.BytesIO(data), "in the data URL")
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()  # decode here: a truncated image fails now, not in the engine's step
+        except (OSError, ValueError) as e:
+            raise ImageError(f"cannot decode the image in the data URL: {e}") from e
+        return image
+    if url.startswith(("http://", "https://")):
+        raise ImageError(
+            "this server fetches no images over the network: send a data: URL or a local path"
+        )
+    path = Path(url.removeprefix("file://"))
+    if allowed_root is not None and not path.resolve().is_relative_to(allowed_root):
+        raise ImageError(f"image {url!r} is outside the allowed media folder {str(allowed_root)!r}")
+    check_image(path)
+    return str(path)
+
+
+def _chat_messages(
+    messages: Sequence[ChatMessage], allowed_root: Path | None
+) -> tuple[list[dict], list]:
+    """The messages in HF's chat format (an ``{"type": "image"}`` item per image part, in
+    order) and their images."""
+    converted, images = [], []
+    for message in messages:
+        content: Any = message.content or ""
+        if not isinstance(content, str):
+            items = []
+            for part in content:
+                if isinstance(part, TextPart):
+                    items.append({"type": "text", "text": part.text})
+                else:
+                    url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+                    images.append(_image(url, allowed_root))
+                    items.append({"type": "image"})
+            content = items
+        converted.append({"role": message.role, "content": content})
+    return converted, images
+
+
+def _completion_prompt(prompt: str | list) -> str | list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise RequestError(f"one prompt per request, got {len(prompt)}")
+        return prompt[0]
+    return prompt
+
+
+# ---------------------------------------------------------------------------------- responses
+def _usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.stats.cached_tokens},
+    }
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose engine request is aborted however the response ends: done,
+    the client gone (Starlette cancels the body), or a failed send."""
+
+    def __init__(self, chunks: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self.request_stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.request_stream.abort()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (its body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _final_output(stream: RequestStream, request: Request) -> RequestOutput | None:
+    """The request's last output, or None if the client left first (then it is aborted)."""
+
+    async def last() -> RequestOutput:
+        async for out in stream:
+            if out.finished:
+                return out
+
+    result = asyncio.ensure_future(last())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        left = not result.done()  # the client went away (or this handler was cancelled)
+        if left:
+            result.cancel()
+            stream.abort()
+    return None if left else result.result()
+
+
+# ------------------------------------------------------------------------------------ the app
+def build_app(
+    engine: LLMEngine,
+    served_model_name: str,
+    *,
+    model_path: str | None = None,
+    allowed_local_media_path: str | Path | None = None,
+) -> FastAPI:
+    """The FastAPI application serving ``engine`` as ``served_model_name``.
+
+    Its lifespan starts the :class:`AsyncLLMEngine` thread and stops it (run it with uvicorn,
+    which runs the lifespan). ``model_path`` is ``/v1/models``' ``root`` (default: the name);
+    ``allowed_local_media_path`` restricts image file paths to one folder (vLLM's flag;
+    default: any path the server can read).
+    """
+    async_engine = AsyncLLMEngine(engine)
+    allowed_root = None
+    if allowed_local_media_path is not None:
+        allowed_root = Path(allowed_local_media_path).resolve()
+    generation = engine.vlm.model.generation_config.to_diff_dict()
+    defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation}
+    registry = CollectorRegistry()
+    registry.register(_VLLMMetrics(async_engine, served_model_name))
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="minirad", lifespan=lifespan)
+    app.state.engine = async_engine
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None  # after "body"
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
+            for e in errors
+        )
+        return _error(400, message or "invalid request", "BadRequestError", param)
+
+    @app.exception_handler(MiniradError)
+    async def refused(_: Request, exc: MiniradError) -> JSONResponse:
+        return _error(400, " ".join(str(exc).split()), "BadRequestError")
+
+    @app.exception_handler(_NotFound)
+    async def not_found(_: Request, exc: _NotFound) -> JSONResponse:
+        return _error(404, str(exc), "NotFoundError", "model")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(503, str(exc), "ServiceUnavailableError")
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a bad request (Starlette logs the traceback after this answer).
+        return _error(500, f"internal error: {exc!r}", "InternalServerError")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise _NotFound(
+                f"The model `{name}` does not exist. This server serves `{served_model_name}`."
+            )
+
+    async def submit(prompt, images: list, fields: _SamplingFields, max_tokens: int | None):
+        # No max_tokens: until the context is full (the engine stops there), as vLLM does.
+        max_tokens = engine.max_model_len if max_tokens is None else max_tokens
+        params = fields.sampling_params(max_tokens, defaults, engine.eos_token_ids)
+        rid = uuid.uuid4().hex
+        return rid, await async_engine.add_request(GenerateRequest(prompt, images, params, rid))
+
+    async def respond(
+        raw: Request,
+        stream: RequestStream,
+        fields: _SamplingFields,
+        final: Callable[[RequestOutput], dict],
+        delta: Callable[[RequestOutput | None], dict],
+    ) -> Response:
+        """The JSON answer, or its server-sent events: ``delta(out)`` per output with new
+        text (``delta(None)``: the opening chunk), then the usage chunk if asked, then
+        ``[DONE]``."""
+        if not fields.stream:
+            out = await _final_output(stream, raw)
+            return Response(status_code=499) if out is None else JSONResponse(final(out))
+        include_usage = fields.stream_options is not None and fields.stream_options.include_usage
+
+        async def chunks() -> AsyncIterator[str]:
+            try:
+                if (opening := delta(None)) is not None:
+                    yield _sse(opening)
+                out = None
+                async for out in stream:
+                    if out.new_text or out.finished:
+                        yield _sse(delta(out))
+                if include_usage:
+                    yield _sse(delta(out) | {"choices": [], "usage": _usage(out)})
+            except Exception as e:  # the engine failed mid-stream: say so in the stream
+                yield _sse(error_body(str(e), type(e).__name__, 500))
+            yield _sse("[DONE]")
+
+        return _EventStream(chunks(), stream)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_engine.is_healthy else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "minirad",
+            "root": model_path or served_model_name,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        check_model(body.model)
+        messages, images = await asyncio.to_thread(_chat_messages, body.messages, allowed_root)
+        prompt = chat_template(engine.processor, messages)
+        max_tokens = body.max_completion_tokens
+        max_tokens = body.max_tokens if max_tokens is None else max_tokens
+        rid, stream = await submit(prompt, images, body, max_tokens)
+        head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time())}
+        head["model"] = served_model_name
+
+        def final(out: RequestOutput) -> dict:
+            message = {"role": "assistant", "content": out.text}
+            choice = {"index": 0, "message": message, "logprobs": None}
+            choice["finish_reason"] = out.finish_reason
+            return head | {"choices": [choice], "usage": _usage(out)}
+
+        def delta(out: RequestOutput | None) -> dict:
+            if out is None:  # OpenAI's first chunk: the role, no text
+                d, reason = {"role": "assistant", "content": ""}, None
+            else:
+                d, reason = ({"content": out.new_text} if out.new_text else {}), out.finish_reason
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            return head | {"object": "chat.completion.chunk", "choices": [choice]}
+
+        return await respond(raw, stream, body, final, delta)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        check_model(body.model)
+        prompt = _completion_prompt(body.prompt)
+        rid, stream = await submit(prompt, [], body, body.max_tokens)
+        head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time())}
+        head["model"] = served_model_name
+
+        def choice(text: str, reason: str | None) -> dict:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+        def final(out: RequestOutput) -> dict:
+            choices = [choice(out.text, out.finish_reason)]
+            return head | {"choices": choices, "usage": _usage(out)}
+
+        def delta(out: RequestOutput | None) -> dict | None:
+            if out is None:  # completions open with the first text
+                return None
+            choices = [choice(out.new_text, out.finish_reason)]
+            return head | {"choices": choices}
+
+        return await respond(raw, stream, body, final, delta)
+
+    return app
+
+
+def run_server(
+    engine: LLMEngine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str,
+    model_path: str | None = None,
+    allowed_local_media_path: str | Path | None = None,
+    log_level: str = "info",
+) -> None:
+    """Serve ``engine`` over HTTP until interrupted (uvicorn; see :func:`build_app`)."""
+    app = build_app(
+        engine,
+        served_model_name,
+        model_path=model_path,
+        allowed_local_media_path=allowed_local_media_path,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
