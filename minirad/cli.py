@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import warnings
 from collections.abc import Sequence
@@ -676,6 +677,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.kv_events_replay_endpoint is not None or args.kv_events_block_size is not None
     ):
         raise InvalidArgumentError("the --kv-events-* options need --kv-events-endpoint")
+    _check_port_free(args.host, args.port)  # before the model loads, not after
     engine = _load_engine(args, **_engine_settings(args), **events)
     if (publisher := engine.kv_event_publisher) is not None:  # a '*' port is known only now
         replay = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
@@ -693,6 +695,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Raises InvalidArgumentError if ``host:port`` cannot be listened on (in use, or not an
+    address of this machine). uvicorn binds again afterwards, with the same SO_REUSEADDR."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local model folder")
     p.add_argument(
@@ -703,9 +717,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
 
 
-class _BatchHelpFormatter(
-    argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
-):
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the flags' help, except None: those flags' help says what unset means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _BatchHelpFormatter(_DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults in the flags' help, and the JSONL field table kept one line per field."""
 
 
@@ -713,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``minirad`` parser: ``generate``, ``batch`` and ``serve`` subcommands."""
     parser = argparse.ArgumentParser(prog="minirad", description="serve the minirad tiny VLM")
     sub = parser.add_subparsers(dest="command", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _DefaultsHelpFormatter
 
     g = sub.add_parser("generate", help="answer one prompt", formatter_class=fmt)
     _add_common(g)

@@ -736,6 +736,15 @@ def build_app(
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", first.get("msg"))
+            return _error(400, f"the request body is not valid JSON: {reason}", "BadRequestError")
+        if tuple(first.get("loc", ())) == ("body",) and first.get("type") in (
+            "model_attributes_type",
+            "dict_type",
+        ):
+            message = "the request body must be a JSON object, sent as application/json"
+            return _error(400, message, "BadRequestError")
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None  # after "body"
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"

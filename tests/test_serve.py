@@ -351,6 +351,23 @@ def test_bad_requests_get_openai_error_bodies(url, case):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("content", "content_type", "endpoint", "said"),
+    [
+        (b'{"messages": [', "application/json", "chat/completions", "not valid JSON"),
+        (json.dumps(chat_body()).encode(), "text/plain", "chat/completions", "a JSON object"),
+        (b'{"prompt": [1, 3, 5]}', "application/json", "completions", "(id 3) and no image"),
+    ],
+)
+def test_error_messages_say_what_is_wrong(url, content, content_type, endpoint, said):
+    """The messages a user reads: not pydantic's locations, not an arithmetic of counts."""
+    headers = {"content-type": content_type}
+    resp = httpx.post(f"{url}/v1/{endpoint}", content=content, headers=headers)
+    assert resp.status_code == 400, resp.text
+    assert said in resp.json()["error"]["message"]
+    assert resp.json()["error"]["param"] is None
+
+
 def test_the_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="nope", messages=user_turn("Hi", str(SQUARE)))
@@ -500,15 +517,22 @@ def test_serve_checks_its_flags_before_loading_anything():
         """
         import contextlib, io, sys
         from minirad.cli import main
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        import socket
+        err, out = io.StringIO(), io.StringIO()
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             with contextlib.suppress(SystemExit):
                 main(["serve", "--help"])
             assert main(["serve", "--num-kv-slots", "10", "--page-size", "4"]) == 2
             assert main(["serve", "--kv-events-block-size", "16"]) == 2
             assert main(["serve", "--model", "/no/such/model"]) == 2
+            assert main(["serve", "--port", str(busy.getsockname()[1])]) == 2
+        assert "(default: None)" not in out.getvalue()
         lines = err.getvalue().splitlines()
-        assert [line.split(":")[:2] for line in lines] == [["minirad serve", " error"]] * 3, lines
+        assert [line.split(":")[:2] for line in lines] == [["minirad serve", " error"]] * 4, lines
+        assert "cannot listen on 127.0.0.1:" in lines[-1], lines
         heavy = {"torch", "fastapi", "uvicorn"} & set(sys.modules)
         assert not heavy, heavy
         """

@@ -10,6 +10,9 @@
   jump-forward, HF ``generate()`` with the same grammar and, with ``--peer vllm``, vLLM's
   structured outputs (tok/s, steps, forced tokens, mask cost per row, valid and exact
   answers) (:mod:`minirad.bench.structured`).
+- ``routing``: router policies (:mod:`minirad.routing`) over N replicas, each a radix cache
+  with its own pool: hit rate, load imbalance, prefill saved, against N and traffic skew
+  (:mod:`minirad.bench.routing`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands, importing only the one it runs (``engine`` pulls in
@@ -32,6 +35,7 @@ _COMMANDS = {  # subcommand (= module name) -> help
     "engine": "our engine against HF generate() (and the real vLLM: --peer vllm) on VLM requests",
     "structured": "JSON answers: free vs grammar vs jump-forward, HF + grammar (and vLLM: "
     "--peer vllm)",
+    "routing": "router policies over N simulated replicas (radix caches): hit rate, balance",
 }
 
 

@@ -1,4 +1,4 @@
-"""``python -m minirad.bench {radix,engine,structured} [options]``: see :mod:`minirad.bench`."""
+"""``python -m minirad.bench <benchmark> [options]``: see :mod:`minirad.bench`."""
 
 from . import main
 

@@ -248,6 +248,11 @@ class InputProcessor:
         """
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         need = sum(it.num_tokens for it in items)
+        if positions and not items:
+            raise ImageError(
+                f"prompt holds {len(positions)} image placeholder token(s) (id "
+                f"{self.image_token_id}) and no image: send the image, or leave the id out"
+            )
         if len(positions) != need:
             raise ImageError(
                 f"prompt has {len(positions)} image placeholder tokens but its {len(items)} "

@@ -1,0 +1,190 @@
+"""Router policies (minirad.routing) and the replica simulator (minirad.bench.routing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minirad.bench import main
+from minirad.bench.routing import calibration_trace, simulate, skewed
+from minirad.bench.trace import make_chat_trace
+from minirad.errors import InvalidArgumentError
+from minirad.kv_pool import TokenToKVPoolAllocator
+from minirad.radix_cache import RadixCache, Req
+from minirad.routing import (
+    POLICIES,
+    ApproxTree,
+    CacheAwarePolicy,
+    KVAwarePolicy,
+    RoundRobinPolicy,
+)
+
+BIG = 1 << 16  # tokens per replica: the calibration workload never evicts
+
+
+def _system_prompt(trace, request) -> int:
+    return next(k for k, s in enumerate(trace.system_prompts) if request.prompt[: len(s)] == s)
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 8])
+def test_round_robin_splits_evenly(replicas):
+    r = simulate(calibration_trace(), "round_robin", replicas, BIG, concurrency=4)
+    assert max(r.requests) - min(r.requests) <= 1
+    assert r.routes == [i % replicas for i in range(40)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cache_aware_keeps_each_prefix_on_one_replica_under_concurrency(seed):
+    trace = calibration_trace(seed)
+    r = simulate(trace, "cache_aware", 2, BIG, concurrency=4)
+    where: dict[int, set[int]] = {}
+    for req, k in zip(trace.requests, r.routes, strict=True):
+        where.setdefault(_system_prompt(trace, req), set()).add(k)
+    assert all(len(ks) == 1 for ks in where.values()), where
+    assert len(set(r.routes)) == 2  # and it does use both replicas
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_cache_aware_piles_onto_one_replica_at_load_zero(replicas):
+    r = simulate(calibration_trace(), "cache_aware", replicas, BIG, concurrency=1)
+    assert r.requests[0] == 40
+    assert r.imbalance == replicas
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_kv_aware_caches_at_least_as_much_as_round_robin(seed, concurrency):
+    trace = calibration_trace(seed)
+    rr = simulate(trace, "round_robin", 2, BIG, concurrency=concurrency)
+    kv = simulate(trace, "kv_aware", 2, BIG, concurrency=concurrency)
+    assert kv.saved_tokens >= rr.saved_tokens
+
+
+def _plain_replay_hits(trace, capacity: int, page_size: int) -> int:
+    """One RadixCache, requests one after the other, LRU eviction before a short alloc."""
+    alloc = TokenToKVPoolAllocator(capacity, page_size)
+    cache = RadixCache(page_size, "lru", alloc)
+    hits = 0
+    for r in trace.requests:
+        req = Req(r.rid, r.prompt)
+        cache.match_prefix_for_req(req)
+        hits += len(req.prefix_indices)
+        need = len(r.prompt) + len(r.output) - 1 - len(req.kv_indices)
+        short = -(-need // page_size) * page_size - alloc.available_size()
+        if short > 0:
+            cache.evict(short)
+        req.kv_indices += alloc.alloc(need, owner=req.rid)
+        req.output_ids = r.output
+        cache.cache_finished_req(req)
+    return hits
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_replica_equals_plain_radix_replay(policy):
+    trace = make_chat_trace(30, turns=3, seed=3, system_prompt_len=(100, 300))
+    # Small enough to evict: a third of what the trace would cache.
+    capacity = max(trace.max_cached_tokens(32) // 3 // 32 * 32, 8192)
+    # Inserted at finish only, as the plain replay: caching the prompt once prefilled splits
+    # its node at the prompt's end, and eviction then drops an answer apart from its prompt.
+    r = simulate(trace, policy, 1, capacity, 32, concurrency=1, cache_after_prefill=False)
+    assert r.hit_tokens == [_plain_replay_hits(trace, capacity, 32)]
+    assert r.requests == [len(trace.requests)]
+    # Without eviction, when the prompt is cached does not matter one at a time.
+    r = simulate(trace, policy, 1, BIG, 32, concurrency=1)
+    assert r.hit_tokens == [_plain_replay_hits(trace, BIG, 32)]
+
+
+def test_more_replicas_dilute_round_robin_but_not_kv_aware():
+    trace = make_chat_trace(60, turns=2, seed=1, num_system_prompts=4)
+    rr2, rr8 = (simulate(trace, "round_robin", n, BIG, concurrency=8) for n in (2, 8))
+    kv2, kv8 = (simulate(trace, "kv_aware", n, BIG, concurrency=8) for n in (2, 8))
+    assert rr8.hit_rate < rr2.hit_rate
+    assert kv8.hit_rate > rr8.hit_rate and kv2.hit_rate > rr2.hit_rate
+
+
+def test_clients_starting_together_miss_together():
+    # One system prompt: after the first request, every prompt's 7 blocks are cacheable.
+    trace = skewed(calibration_trace(), 50.0)
+    burst, staggered = (
+        simulate(trace, "round_robin", 1, BIG, concurrency=4, ramp=ramp) for ramp in (0.0, 1.0)
+    )
+    assert staggered.saved_tokens - burst.saved_tokens == 3 * 224
+
+
+def test_cache_aware_balances_when_imbalanced():
+    policy = CacheAwarePolicy(3, balance_abs_threshold=2, balance_rel_threshold=1.5)
+    key = list(range(50))
+    assert policy.select(key, [0, 0, 0]) == 0
+    assert policy.select(key, [1, 0, 0]) == 0  # balanced: the match wins
+    assert policy.select(key, [5, 2, 1]) == 2  # imbalanced: least loaded, match ignored
+    assert policy.tree.prefix_match(key) == (50, 2)  # its tree now points there
+
+
+def test_kv_aware_longest_prefix_wins_last_on_tie_least_loaded_at_zero():
+    cached = {0: 32, 1: 64, 2: 64, 3: 0}
+    policy = KVAwarePolicy(4, lambda i, key: cached[i], block_size=32)
+    assert policy.select([1] * 100, [0, 3, 9, 0]) == 2  # a tie: the last, load ignored
+    cached.update({0: 0, 1: 0, 2: 0})
+    assert policy.select([1] * 100, [3, 1, 1, 2]) == 1  # nothing cached: least loaded
+    assert policy.select([1] * 20, [3, 2, 1, 0]) == 3  # no full block: least loaded
+
+
+def test_kv_aware_speculative_entries_steer_until_they_expire():
+    policy = KVAwarePolicy(2, lambda i, key: 0, block_size=4, speculative_ttl=10.0)
+    key = list(range(16))
+    assert policy.select(key, [1, 0], now=0.0) == 1
+    assert policy.select(key, [0, 5], now=5.0) == 1  # promised to replica 1
+    assert policy.select(key, [0, 5], now=20.0) == 0  # expired: least loaded again
+
+
+def test_approx_tree_eviction_keeps_each_tenant_under_max_size():
+    tree = ApproxTree(max_tree_size=100)
+    for i in range(10):
+        tree.insert([i] * 40, tenant=0)
+        tree.insert([i] * 30, tenant=1)
+        assert tree.size[0] <= 100 and tree.size[1] <= 100
+    assert tree.prefix_match([9] * 40) == (40, 0)  # the newest survive
+    assert tree.prefix_match([0] * 40) == (0, None)  # the oldest are gone
+
+
+def test_skew_concentrates_traffic_on_few_prompts():
+    trace = make_chat_trace(200, turns=1, seed=0, num_system_prompts=8)
+    hot = skewed(trace, 3.0)
+    before, after = (sum(_system_prompt(t, r) == 0 for r in t.requests) for t in (trace, hot))
+    assert after > 2 * before
+    # Only the system prompt changes: the user tails and answers are the trace's.
+    for a, b in zip(trace.requests, hot.requests, strict=True):
+        tail = len(a.prompt) - len(trace.system_prompts[_system_prompt(trace, a)])
+        assert a.prompt[-tail:] == b.prompt[-tail:] and a.output == b.output
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: simulate(calibration_trace(), "least_cost", 2, BIG),
+        lambda: simulate(calibration_trace(), "round_robin", 0, BIG),
+        lambda: simulate(calibration_trace(), "round_robin", 2, BIG, concurrency=0),
+        lambda: simulate(calibration_trace(), "round_robin", 2, 256, concurrency=4),
+        lambda: CacheAwarePolicy(2, cache_threshold=1.5),
+        lambda: CacheAwarePolicy(2, balance_rel_threshold=0.5),
+        lambda: RoundRobinPolicy(0),
+        lambda: RoundRobinPolicy(2).select([1, 2], [0, 0, 0]),
+        lambda: ApproxTree(max_tree_size=0),
+        lambda: skewed(calibration_trace(), -1.0),
+        lambda: simulate(calibration_trace(), "round_robin", 2, BIG, ramp=-1.0),
+        lambda: KVAwarePolicy(2, lambda i, key: 0, block_size=0),
+    ],
+)
+def test_bad_arguments_raise_our_error(call):
+    with pytest.raises(InvalidArgumentError):
+        call()
+
+
+def test_cli_prints_calibration_and_sweep(capsys):
+    code = main(
+        ["routing", "--replicas", "2", "4", "--skew", "0", "--conversations", "20"]
+        + ["--policies", "round_robin", "kv_aware", "--concurrency", "2"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Calibration" in out and "measured" in out
+    assert sum(line.split()[2:3] == ["kv_aware"] for line in out.splitlines()) == 2
