@@ -670,12 +670,9 @@ def run_cli(args: argparse.Namespace) -> int:
             num_kv_slots=args.num_kv_slots,
             page_size=args.page_size,
         )
-        threads = {"HF and minirad (this process)": thread_settings()}
-        if peer is not None:
-            from .peer import describe_threads
+        from .peer import report_threads  # peer.py imports bench.engine's types
 
-            info = peer.thread_settings()
-            threads[f"vLLM {info['vllm_version']}"] = describe_threads(info)
+        threads = report_threads(peer)
     print(format_report(results, threads))
     print(f"Each system's fastest of {args.repeat} runs.")
     return int(any(r.mismatches(x) for r in results for x in r.runs[1:]))

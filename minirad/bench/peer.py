@@ -31,7 +31,7 @@ import msgspec
 from ..errors import InvalidArgumentError, PeerError
 from ..models import DEFAULT_MODEL_DIR
 from ..vllm_env import VLLM_BLOCK_SIZE, vllm_python
-from .engine import KVMemory, RunResult, Workload
+from .engine import KVMemory, RunResult, Workload, thread_settings
 
 __all__ = ["WORKER", "VLLMPeer", "describe_threads", "kv_memory"]
 
@@ -359,3 +359,13 @@ def describe_threads(info: dict) -> str:
         env = "".join(f" {k}={v}" for k, v in sorted(p["env"].items()))
         lines.append(f"  {p['name']} (pid {p['pid']}{role}): {p['threads']} threads, {cpus}{env}")
     return "\n".join(lines)
+
+
+def report_threads(peer: VLLMPeer | None) -> dict[str, str]:
+    """The threads section of a benchmark report: this process's torch settings, and the
+    vLLM peer's processes when there is one (:func:`describe_threads`)."""
+    threads = {"HF and minirad (this process)": thread_settings()}
+    if peer is not None:
+        info = peer.thread_settings()
+        threads[f"vLLM {info['vllm_version']}"] = describe_threads(info)
+    return threads

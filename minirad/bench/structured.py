@@ -66,7 +66,7 @@ from ..scenes import (
     render,
     shapes_json,
 )
-from .engine import PEER_IDLE_S, Workload, thread_settings
+from .engine import PEER_IDLE_S, Workload
 
 if TYPE_CHECKING:
     from .peer import VLLMPeer
@@ -633,12 +633,9 @@ def run_cli(args: argparse.Namespace) -> int:
             peer=peer,
             hf=not args.no_hf,
         )
-        threads = {"HF and minirad (this process)": thread_settings()}
-        if peer is not None:
-            from .peer import describe_threads
+        from .peer import report_threads  # peer.py imports bench.engine's types
 
-            info = peer.thread_settings()
-            threads[f"vLLM {info['vllm_version']}"] = describe_threads(info)
+        threads = report_threads(peer)
     print(format_report(result, threads))
     print(f"Each system's fastest of {args.repeat} runs.")
     n = len(result.references)
