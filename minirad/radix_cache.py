@@ -372,6 +372,17 @@ class RadixCache:
         _check_extra_key(extra_key)
         return self._match_prefix(key, buf, extra_key)
 
+    def cached_prefix_len(self, key: Sequence[int], extra_key: str | None = None) -> int:
+        """Tokens of ``key`` the tree holds (whole pages), read without changing the tree: no
+        split, no access time, no hit count, as a router's index of this cache would see it.
+
+        Raises:
+            InvalidKeyError: a token id is negative or not an int.
+        """
+        key, buf = checked_token_ids(key, "key")
+        _check_extra_key(extra_key)
+        return self._tree_walk(self._aligned(key), buf, extra_key)[1]
+
     def _match_prefix(
         self, key: list[int], buf: array | None, extra_key: str | None
     ) -> MatchResult:

@@ -675,3 +675,12 @@ def test_a_slot_of_64_bits_after_a_cached_prefix_is_refused():
 def test_a_pool_too_big_for_memory_is_a_typed_error(size):
     with pytest.raises(InvalidArgumentError):
         TokenToKVPoolAllocator(size)
+
+
+def test_cached_prefix_len_reads_what_match_prefix_finds_without_changing_the_tree():
+    cache = RadixCache(page_size=2)
+    cache.insert([1, 2, 3, 4, 5, 6], list(range(6)))
+    before = [(n.key, n.last_access_time, n.hit_count) for n in cache.nodes()]
+    assert cache.cached_prefix_len([1, 2, 3, 9]) == 2  # ends inside the edge: no split
+    assert [(n.key, n.last_access_time, n.hit_count) for n in cache.nodes()] == before
+    assert cache.cached_prefix_len([1, 2, 3, 9]) == len(cache.match_prefix([1, 2, 3, 9]).indices)

@@ -136,10 +136,8 @@ def _make_policy(
         return CacheAwarePolicy(n)
 
     def cached_tokens(i: int, key: list[int]) -> int:
-        cache = caches[i].cache
-        # The read-only walk of match_prefix: a router's event index does not touch the
-        # replica's LRU clock or hit counts.
-        return cache._tree_walk(cache._aligned(key), None, None)[1]
+        # Read only: a router's event index does not touch the replica's LRU clock.
+        return caches[i].cache.cached_prefix_len(key)
 
     return KVAwarePolicy(n, cached_tokens, caches[0].page_size, speculative_ttl)
 
