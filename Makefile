@@ -7,7 +7,7 @@ NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 DETERMINISTIC_ENV := PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1 HF_HUB_OFFLINE=1
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: venv vllm dot lab test lint notebooks screenshot clean
+.PHONY: venv vllm routers dot lab test lint notebooks screenshot clean
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,16 @@ vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: tools/make_vllm_venv.sh
 	PYTHON=$(PYTHON) tools/make_vllm_venv.sh $(VLLM_VENV)
+	touch $@
+
+# The real routers (sglang-router 0.3.2, vllm-router 0.1.17, about 220 MB) in their own venv:
+# chapter 10's live cells, `python -m minirad.bench replicas` and tests/test_routers.py use
+# them (the tests skip without it, except under CI=true). See tools/make_router_venv.sh.
+ROUTER_VENV := .venv-router
+routers: $(ROUTER_VENV)/.installed
+
+$(ROUTER_VENV)/.installed: tools/make_router_venv.sh
+	PYTHON=$(PYTHON) tools/make_router_venv.sh $(ROUTER_VENV)
 	touch $@
 
 dot:

@@ -48,6 +48,9 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
   gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc`` (the pool's share held by unfinished requests; cached slots
   that nothing locks count as free, as vLLM counts them).
+- ``POST /reset_prefix_cache``: empty the radix tree and the encoder cache (KV events:
+  ``AllBlocksCleared``); ``{"success": false}`` while requests are in flight. vLLM serves it
+  only with ``VLLM_SERVER_DEV_MODE=1``; benchmarks between runs and routers' tests use it.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
 ``BadRequestError`` for a request the engine refuses (every typed error of
@@ -414,6 +417,22 @@ class AsyncLLMEngine:
         """Abort request ``rid`` (thread-safe; nothing happens if it has finished)."""
         self._inbox.put(("abort", rid))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache between two steps (vLLM's ``POST /reset_prefix_cache``).
+        Returns False, and changes nothing, while requests are in flight.
+
+        Raises:
+            EngineDeadError: the engine thread has stopped.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        channel = _Channel(asyncio.get_running_loop())
+        self._inbox.put(("reset", channel))
+        reply = await channel.queue.get()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
     # -------------------------------------------------------------- on the engine thread
     def _run(self) -> None:
         engine = self.engine
@@ -465,6 +484,11 @@ class AsyncLLMEngine:
                 return
             self._channels[request.rid] = channel
             replies.append((channel, request.rid))
+        elif kind == "reset":
+            idle = not self.engine.has_unfinished_requests()
+            if idle:
+                self.engine.reset_prefix_cache()
+            replies.append((args[0], idle))
         elif self._channels.pop(args[0], None) is not None:  # "abort" of an unfinished request
             out = self.engine.abort_request(args[0])
             if out is not None:
@@ -497,8 +521,8 @@ class AsyncLLMEngine:
             channel.put(self.error)
         self._channels.clear()
         while (command := self._inbox.get()) is not None:
-            if command[0] == "add":
-                command[2].put(self.error)
+            if command[0] in ("add", "reset"):  # the ones whose handler awaits a reply
+                command[-1].put(self.error)
 
 
 # ------------------------------------------------------------------------------ the metrics
@@ -816,6 +840,10 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if async_engine.is_healthy else 503)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        return {"success": await async_engine.reset_prefix_cache()}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -20,59 +20,18 @@ import base64
 import io
 import json
 import os
-import signal
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .errors import InvalidArgumentError, PeerError
-from .vllm_env import REPO_ROOT, VLLM_BLOCK_SIZE, die_with_parent, vllm_python
+from .server_process import ServerProcess, free_port
+from .vllm_env import REPO_ROOT, VLLM_BLOCK_SIZE, vllm_python
 
 __all__ = ["DEFAULT_MODEL_DIR", "VLLMServer"]
 
 # Not imported from minirad.models, which imports torch and transformers: this module must not.
 DEFAULT_MODEL_DIR = REPO_ROOT / "data" / "models" / "minirad-tiny-llava"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a process of another user took the id: ours are gone
-        return False
-    return True
-
-
-def _stop_group(proc: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM to the process group that ``proc`` leads, SIGKILL to what is left after
-    ``timeout_s``; reaps ``proc`` (its children are reparented and reaped by init)."""
-    if _group_alive(proc.pid):
-        os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
-    # vLLM's engine-core and worker processes may outlive the API server by a moment.
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _group_alive(proc.pid):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _image_data_url(image: Any) -> str:
@@ -91,7 +50,7 @@ def _image_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-class VLLMServer:
+class VLLMServer(ServerProcess):
     """The real vLLM (``make vllm``) serving ``model_dir`` over HTTP on 127.0.0.1.
 
     Args:
@@ -105,6 +64,8 @@ class VLLMServer:
         max_num_seqs: requests running at once.
         extra_args: more command-line arguments for the server.
         python: the vLLM venv's Python (default :func:`~minirad.vllm_env.vllm_python`).
+        cpus: pin the server (its engine-core process and OpenMP threads included) to these
+            cores; None: no pinning.
 
     Attributes:
         base_url: ``"http://127.0.0.1:PORT"``.
@@ -121,8 +82,10 @@ class VLLMServer:
 
     Raises:
         PeerError: the vLLM venv is missing (the message says how to build it).
-        InvalidArgumentError: no such model folder.
+        InvalidArgumentError: no such model folder, or bad ``cpus``.
     """
+
+    name = "vLLM"
 
     def __init__(
         self,
@@ -133,19 +96,19 @@ class VLLMServer:
         max_num_seqs: int = 8,
         extra_args: Sequence[str] = (),
         python: str | os.PathLike | None = None,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise InvalidArgumentError(f"no model folder (config.json) at {self.model_dir}")
         self.python = Path(python) if python is not None else vllm_python()
         self.model_name = self.model_dir.name
-        self.port = port if port is not None else _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        super().__init__(port, cpus)
         self.kv_events_endpoint: str | None = None
         self.replay_endpoint: str | None = None
         self._kv_events_config: dict | None = None
         if kv_events:
-            pub_port, replay_port = _free_port(), _free_port()
+            pub_port, replay_port = free_port(), free_port()
             self.kv_events_endpoint = f"tcp://127.0.0.1:{pub_port}"
             self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
             self._kv_events_config = {
@@ -158,11 +121,6 @@ class VLLMServer:
         self.num_gpu_blocks = num_gpu_blocks
         self.max_num_seqs = max_num_seqs
         self.extra_args = tuple(extra_args)
-        self._logdir = Path(tempfile.mkdtemp(prefix="minirad-vllm-"))
-        self.log_path = self._logdir / "server.log"
-        self._proc: subprocess.Popen | None = None
-        self._finalizer: weakref.finalize | None = None
-        self.startup_s: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def command(self) -> list[str]:
@@ -196,124 +154,23 @@ class VLLMServer:
             cmd += ["--kv-events-config", json.dumps(self._kv_events_config)]
         return cmd + list(self.extra_args)
 
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+    def env(self) -> dict[str, str]:
+        env = super().env()
         env.update(
             VLLM_CPU_KVCACHE_SPACE="1",  # GiB; by default it wants most of a NUMA node's memory
             VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
             VLLM_NO_USAGE_STATS="1",  # no network at run time
-            DO_NOT_TRACK="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
         )
-        env.pop("VIRTUAL_ENV", None)
+        if self.cpus is not None:
+            # taskset pins the process tree; this binds vLLM's OpenMP threads to the same
+            # cores (by default vLLM also keeps one core of its set for itself).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         return env
-
-    @property
-    def running(self) -> bool:
-        """The server process is alive (it may still be loading)."""
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self, timeout_s: float = 300.0) -> VLLMServer:
-        """Start the server and wait until ``GET /health`` answers; ``startup_s`` says how long
-        it took. Returns the server.
-
-        Raises:
-            PeerError: the server exited, or did not answer within ``timeout_s`` (it is then
-                stopped); the message ends with the tail of its log.
-        """
-        if self.running:
-            raise PeerError(f"the vLLM server at {self.base_url} is already running")
-        t0 = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            # Its own process group, so stop() reaches the engine-core process it spawns.
-            self._proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self._env(),
-                cwd=self._logdir,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        # A server left running (no stop(), a notebook closed) still goes when Python exits.
-        self._finalizer = weakref.finalize(self, _stop_group, self._proc, 5.0)
-        while True:
-            if self._proc.poll() is not None:
-                code = self._proc.returncode
-                self.stop()  # its children, if any
-                raise PeerError(f"vLLM exited with code {code} while starting{self._log_tail()}")
-            if self._healthy():
-                self.startup_s = time.monotonic() - t0
-                return self
-            if time.monotonic() - t0 > timeout_s:
-                self.stop()
-                raise PeerError(
-                    f"vLLM did not answer {self.base_url}/health within {timeout_s:g} s"
-                    f"{self._log_tail()}"
-                )
-            time.sleep(0.5)
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after ``timeout_s``; reaps it.
-        Does nothing if it is not running."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        self._finalizer.detach()
-        _stop_group(proc, timeout_s)
-
-    def restart(self, timeout_s: float = 300.0) -> VLLMServer:
-        """Stop, then start again on the same ports (its event seq starts at 0 again, its cache
-        empty). Returns the server."""
-        self.stop()
-        return self.start(timeout_s)
-
-    def __enter__(self) -> VLLMServer:
-        if not self.running:
-            self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"VLLMServer({self.base_url}, events={self.kv_events_endpoint}, {state})"
-
-    def _log_tail(self, chars: int = 3000) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return f"; log {self.log_path}, last lines:\n{text[-chars:]}"
-
-    # ------------------------------------------------------------------ HTTP
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def _post(self, path: str, body: dict | None = None, timeout_s: float = 120.0) -> Any:
-        data = json.dumps(body if body is not None else {}).encode()
-        request = urllib.request.Request(
-            self.base_url + path, data=data, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as r:
-                text = r.read().decode()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            raise PeerError(f"vLLM answered {path} with HTTP {e.code}: {detail}") from e
-        except (urllib.error.URLError, OSError) as e:
-            raise PeerError(f"no answer from vLLM at {self.base_url}{path}: {e}") from e
-        try:
-            return json.loads(text) if text else None
-        except json.JSONDecodeError as e:
-            raise PeerError(f"vLLM answered {path} with something not JSON: {text[:200]!r}") from e
 
     def chat(
         self,
@@ -344,7 +201,7 @@ class VLLMServer:
         messages = [{"role": "user", "content": content}]
         if system is not None:
             messages.insert(0, {"role": "system", "content": system})
-        reply = self._post(
+        reply = self.post(
             "/v1/chat/completions",
             {
                 "model": self.model_name,
@@ -376,5 +233,5 @@ class VLLMServer:
         Raises:
             PeerError: the server failed (a 404 means it runs without ``VLLM_SERVER_DEV_MODE``).
         """
-        reply = self._post("/reset_prefix_cache")
+        reply = self.post("/reset_prefix_cache")
         return bool(reply.get("success")) if isinstance(reply, dict) else True

@@ -96,6 +96,23 @@ def vllm_python():
 
 
 @pytest.fixture(scope="session")
+def router_venv():
+    """The real routers' venv (``make routers``). Without it the test is skipped, except in
+    CI, where ``.ci/run`` builds it first."""
+    from minirad.errors import PeerError
+    from minirad.replicas import ROUTER_VENV, ROUTERS, router_executable
+
+    try:
+        for router in ROUTERS:
+            router_executable(router)
+    except PeerError as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    return ROUTER_VENV
+
+
+@pytest.fixture(scope="session")
 def browser():
     """One headless chromium for every browser test (Debian's, by path: see viz.bench)."""
     from viz.bench import chromium

@@ -232,6 +232,33 @@ def test_cached_tokens_of_a_repeated_prompt_are_the_engines(client, reference):
     assert cached == want.stats.cached_tokens > 0
 
 
+def test_reset_prefix_cache_empties_the_tree_but_not_under_a_running_request(url, client):
+    ask = dict(model=NAME, messages=user_turn("Describe the image.", str(SQUARE)), temperature=0)
+
+    def cached() -> int:
+        answer = client.chat.completions.create(**ask, max_tokens=2)
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() > 0
+    # A request that runs until the context is full; a reset between two readings that both
+    # see it running happened while it ran, and must be refused.
+    body = {"model": NAME, "prompt": "a red circle", "max_tokens": 500, "ignore_eos": True}
+    body["stream"] = True
+    refused = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=PATIENCE_S) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)
+        while refused is None and metrics(url)["vllm:num_requests_running"] == 1:
+            reply = httpx.post(f"{url}/reset_prefix_cache").json()
+            if metrics(url)["vllm:num_requests_running"] == 1:
+                refused = reply == {"success": False}
+    assert refused, "no reset landed while the request ran"
+    wait_until(url, idle)
+    assert httpx.post(f"{url}/reset_prefix_cache").json() == {"success": True}
+    assert cached() == 0
+
+
 def test_metrics_move_by_each_requests_counts(url, client):
     before = wait_until(url, idle)
     resp = client.chat.completions.create(

@@ -13,6 +13,9 @@
 - ``routing``: router policies (:mod:`minirad.routing`) over N replicas, each a radix cache
   with its own pool: hit rate, load imbalance, prefill saved, against N and traffic skew
   (:mod:`minirad.bench.routing`).
+- ``replicas``: real workers (``minirad serve``, vLLM) behind the real routers
+  (sglang-router, vllm-router): hit rate, requests per worker, throughput, per policy and
+  client concurrency (:mod:`minirad.bench.replicas`, :mod:`minirad.replicas`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands, importing only the one it runs (``engine`` pulls in
@@ -36,6 +39,8 @@ _COMMANDS = {  # subcommand (= module name) -> help
     "structured": "JSON answers: free vs grammar vs jump-forward, HF + grammar (and vLLM: "
     "--peer vllm)",
     "routing": "router policies over N simulated replicas (radix caches): hit rate, balance",
+    "replicas": "real workers behind the real sglang-router / vllm-router: hit rate, balance, "
+    "req/s",
 }
 
 

@@ -478,6 +478,8 @@ class LLMEngine:
             raise RequestError("cannot reset the prefix cache while requests are in flight")
         self.tree_cache.reset()
         self.encoder_cache.clear()
+        if self.kv_events is not None:  # AllBlocksCleared now, not with the next step's events
+            self.kv_events.flush()
 
     def close(self) -> None:
         """Stop publishing KV events: send what is pending, close the sockets. Nothing to

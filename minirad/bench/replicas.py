@@ -1,0 +1,256 @@
+"""Replicas behind the real routers, measured (``python -m minirad.bench replicas``).
+
+N workers (``minirad serve``, the real vLLM, or a mix), each pinned to a core, behind the real
+``sglang-router`` or ``vllm-router`` (:mod:`minirad.replicas`); closed-loop clients send one
+workload through the router at each concurrency, and each worker's own ``/metrics`` say what
+its cache did. Per route (router and policy) and concurrency it prints:
+
+- **hit**: prompt tokens served from the workers' prefix caches / prompt tokens looked up
+  (vLLM's ``prefix_cache_hits`` / ``prefix_cache_queries``, summed over the workers), and each
+  worker's own hit rate;
+- **requests**: how many requests each worker served, and max / mean of those counts (1.0 is an
+  even split; N means one worker got everything);
+- **req/s**: requests completed per second of wall time, seen by the clients.
+
+Before each run every worker's cache is emptied (``POST /reset_prefix_cache``) and a fresh
+router is started (its own tree starts empty too).
+
+The workload is issue 14's measured one, in text: 40 one-turn requests, each a random one of 4
+system prompts of about 224 tokens (7 blocks of 32) and a user tail of about 24 tokens, 4 new
+tokens each (``ignore_eos``, greedy). The best any router can do is one miss per system prompt.
+sglang-router gets text prompts (it refuses token ids); vllm-router gets the same prompts as
+token ids (its kv_aware policy takes nothing else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..argtypes import positive_int
+from ..errors import InvalidArgumentError, PeerError
+from ..replicas import POLICIES, MiniradWorker, Router, WorkerCounters, worker_counters
+from ..server_process import ServerProcess
+
+__all__ = ["RouteRun", "add_arguments", "format_table", "make_prompts", "run_cli", "run_route"]
+
+WORKER_KINDS = ("minirad", "vllm")
+DEFAULT_ROUTES = ("sglang:round_robin", "sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware")
+
+
+def make_prompts(
+    tokenizer,
+    num_requests: int = 40,
+    num_system_prompts: int = 4,
+    system_tokens: int = 224,
+    user_tokens: int = 24,
+    seed: int = 0,
+) -> list[str]:
+    """``num_requests`` text prompts: a shared system prompt of about ``system_tokens``
+    tokens (words of the course's scenes, so the tokenizer knows them), then a user tail of
+    about ``user_tokens``. Deterministic for a seed.
+
+    Raises:
+        InvalidArgumentError: a count is not positive.
+    """
+    from ..scenes import caption, random_scene  # Pillow; only this workload needs it
+
+    for name, v in dict(
+        num_requests=num_requests,
+        num_system_prompts=num_system_prompts,
+        system_tokens=system_tokens,
+        user_tokens=user_tokens,
+    ).items():
+        if not isinstance(v, int) or v <= 0:
+            raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+    rng = random.Random(seed)
+
+    def text(n_tokens: int) -> str:
+        words: list[str] = []
+        while len(tokenizer(" ".join(words))["input_ids"]) < n_tokens:
+            words += f"{caption(random_scene(rng))}.".split()
+        while len(tokenizer(" ".join(words[:-1]))["input_ids"]) >= n_tokens:
+            words.pop()
+        return " ".join(words)
+
+    systems = [f"Notes {k}: {text(system_tokens)}" for k in range(num_system_prompts)]
+    return [f"{rng.choice(systems)}\nQ: {text(user_tokens)}\nA:" for _ in range(num_requests)]
+
+
+@dataclass(frozen=True)
+class RouteRun:
+    """One workload through one router policy at one client concurrency.
+
+    Attributes:
+        router, policy, concurrency: what ran.
+        counters: each worker's counters over the run, in worker order.
+        seconds: wall time from the first request sent to the last answer.
+    """
+
+    router: str
+    policy: str
+    concurrency: int
+    counters: list[WorkerCounters]
+    seconds: float
+
+    @property
+    def hit_rate(self) -> float:
+        queries = sum(c.queries for c in self.counters)
+        return sum(c.hits for c in self.counters) / queries if queries else 0.0
+
+    @property
+    def requests(self) -> list[int]:
+        return [round(c.requests) for c in self.counters]
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the requests per worker."""
+        counts = self.requests
+        return max(counts) * len(counts) / sum(counts) if sum(counts) else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Requests per second."""
+        return sum(self.requests) / self.seconds
+
+
+def _reset(worker: ServerProcess, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not worker.reset_prefix_cache():  # refused while requests are in flight
+        if time.monotonic() > deadline:
+            raise PeerError(f"{worker.name} at {worker.base_url} would not empty its cache")
+        time.sleep(0.2)
+
+
+def run_route(
+    workers: Sequence[ServerProcess],
+    route: str,
+    prompts: Sequence[str | list[int]],
+    concurrency: int,
+    max_tokens: int = 4,
+) -> RouteRun:
+    """Empty the workers' caches, start ``route`` (``"sglang:cache_aware"``) in front of them,
+    send ``prompts`` in order from ``concurrency`` closed-loop clients, stop the router.
+
+    Raises:
+        InvalidArgumentError: a malformed route.
+        PeerError: a worker or the router failed, or a request got an error answer.
+    """
+    router, _, policy = route.partition(":")
+    for w in workers:
+        _reset(w)
+    before = [worker_counters(w) for w in workers]
+    model = workers[0].model_name
+    with Router(router, workers, policy) as front:
+        pending = iter(range(len(prompts)))
+        lock = threading.Lock()
+
+        def client() -> None:
+            while True:
+                with lock:
+                    i = next(pending, None)
+                if i is None:
+                    return
+                body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens}
+                front.post("/v1/completions", body | {"temperature": 0, "ignore_eos": True})
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            for f in [pool.submit(client) for _ in range(concurrency)]:
+                f.result()
+        seconds = time.perf_counter() - t0
+    counters = [worker_counters(w) - b for w, b in zip(workers, before, strict=True)]
+    return RouteRun(router, policy, concurrency, counters, seconds)
+
+
+def _route(value: str) -> str:
+    router, sep, policy = value.partition(":")
+    if not sep or router not in POLICIES or policy not in POLICIES[router]:
+        choices = ", ".join(f"{r}:{p}" for r, ps in POLICIES.items() for p in ps)
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {choices}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m minirad.bench replicas``."""
+    parser.add_argument(
+        "--workers", nargs="+", choices=WORKER_KINDS, default=["minirad", "minirad"]
+    )
+    parser.add_argument("--routes", nargs="+", type=_route, default=list(DEFAULT_ROUTES))
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--requests", type=positive_int, default=40)
+    parser.add_argument("--system-prompts", type=positive_int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-pin", action="store_true", help="do not pin worker i to core i mod the core count"
+    )
+
+
+def _start_workers(kinds: Sequence[str], pin: bool, kv_events: bool) -> list[ServerProcess]:
+    from ..vllm_server import VLLMServer
+
+    workers: list[ServerProcess] = []
+    try:
+        for i, kind in enumerate(kinds):
+            cpus = [i % (os.cpu_count() or 1)] if pin else None
+            if kind == "vllm":
+                w: ServerProcess = VLLMServer(kv_events=kv_events, cpus=cpus)
+            else:
+                w = MiniradWorker(cpus=cpus, kv_events=kv_events)
+            workers.append(w.start())
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    return workers
+
+
+def format_table(runs: Sequence[RouteRun], kinds: Sequence[str]) -> str:
+    """The runs as a text table, one row per run."""
+    lines = [
+        f"workers: {', '.join(kinds)}",
+        f"{'router':<8}{'policy':<13}{'conc':>5}{'hit':>7}  {'worker hits':<16}"
+        f"{'requests':<12}{'max/mean':>9}{'req/s':>8}",
+    ]
+    for r in runs:
+        hits = " ".join(f"{c.hit_rate:.2f}" for c in r.counters)
+        lines.append(
+            f"{r.router:<8}{r.policy:<13}{r.concurrency:>5}{r.hit_rate:>7.3f}  {hits:<16}"
+            f"{'/'.join(map(str, r.requests)):<12}{r.imbalance:>9.2f}{r.throughput:>8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``python -m minirad.bench replicas``: print the table, return the exit code."""
+    from ..tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    texts = make_prompts(tokenizer, args.requests, args.system_prompts, seed=args.seed)
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    lengths = sorted(len(i) for i in ids)
+    print(
+        f"{len(texts)} requests over {args.system_prompts} system prompts, prompts of "
+        f"{lengths[0]}-{lengths[-1]} tokens, 4 new tokens each"
+    )
+    kv_events = any(r.endswith(":kv_aware") for r in args.routes)
+    workers = _start_workers(args.workers, not args.no_pin, kv_events)
+    runs = []
+    try:
+        for route in args.routes:
+            prompts = texts if route.startswith("sglang:") else ids
+            for c in args.concurrency:
+                runs.append(run_route(workers, route, prompts, c))
+                print(format_table(runs[-1:], args.workers).splitlines()[-1], flush=True)
+    finally:
+        for w in workers:
+            w.stop()
+    print()
+    print(format_table(runs, args.workers))
+    return 0

@@ -1,0 +1,119 @@
+"""Two real ``minirad serve`` workers behind the real routers (sglang-router, vllm-router).
+
+Every process is started and stopped here, on 127.0.0.1. What each worker did is read from its
+own ``/metrics`` and ``usage.prompt_tokens_details.cached_tokens``, never from the router.
+Skipped without ``make routers``, except in CI.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from minirad.bench.replicas import format_table, make_prompts, run_route
+from minirad.errors import InvalidArgumentError, PeerError
+from minirad.replicas import MiniradWorker, Router, parse_counters, worker_counters
+from minirad.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("router_venv")
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """Two workers publishing KV events, one per core where there are two."""
+    pin = (os.cpu_count() or 1) >= 2
+    pair = [MiniradWorker(cpus=[i] if pin else None, kv_events=True) for i in range(2)]
+    try:
+        for w in pair:
+            w.start(timeout_s=120)
+        yield pair
+    finally:
+        for w in pair:
+            w.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return make_prompts(tokenizer, num_requests=24, num_system_prompts=4, seed=1)
+
+
+def _cached(worker: MiniradWorker, prompt) -> int:
+    body = {"model": worker.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    return worker.post("/v1/completions", body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_round_robin_splits_the_requests(workers, prompts):
+    run = run_route(workers, "sglang:round_robin", prompts[:8], concurrency=1)
+    assert run.requests == [4, 4]
+    assert all(c.generation_tokens == 4 * 4 for c in run.counters)  # ignore_eos: 4 each
+
+
+def test_cache_aware_keeps_each_prefix_on_one_worker(workers, prompts):
+    """Under concurrency, sglang's cache_aware sends every request of a system prompt to the
+    worker that has it, and so caches at least as much as round robin."""
+    aware = run_route(workers, "sglang:cache_aware", prompts, concurrency=4)
+    systems = sorted({p.split("\nQ: ")[0] for p in prompts})
+    holders = []
+    for system in systems:  # which worker's cache holds it (the probe adds it to one more)
+        holders.append([_cached(w, system) >= 192 for w in workers].count(True))
+    assert holders == [1] * len(systems), format_table([aware], ["minirad", "minirad"])
+    robin = run_route(workers, "sglang:round_robin", prompts, concurrency=4)
+    assert aware.hit_rate >= robin.hit_rate, format_table([aware, robin], ["minirad"] * 2)
+    assert sum(aware.requests) == sum(robin.requests) == len(prompts)
+
+
+def test_cache_aware_piles_light_traffic_onto_one_worker(workers, prompts):
+    """One client at a time: a miss goes to the least-loaded worker, and at load 0 the same
+    worker always wins (the pile-up the chapter measures)."""
+    run = run_route(workers, "sglang:cache_aware", prompts, concurrency=1)
+    assert sorted(run.requests) == [0, len(prompts)]
+
+
+def test_kv_aware_routes_by_our_workers_events(workers, prompts, tokenizer):
+    """vllm-router's kv_aware follows what the caches hold, as their KV events tell it: each
+    worker is primed behind the router's back with another system prompt, and every request
+    then goes to the worker holding its prompt."""
+    systems = sorted({p.split("\nQ: ")[0] for p in prompts})[:2]
+    for w in workers:
+        assert w.reset_prefix_cache()
+    with Router("vllm", workers, "kv_aware") as router:
+        for w, system in zip(workers, systems, strict=True):  # not through the router
+            assert _cached(w, tokenizer(system)["input_ids"]) == 0
+        time.sleep(1.0)  # the BlockStored events reach the router
+        before = [worker_counters(w) for w in workers]
+        for k in (1, 0, 1, 0):  # the second prompt first: no first-worker tie-break passes
+            ids = tokenizer(f"{systems[k]}\nQ: what is cached?\nA:")["input_ids"]
+            body = {"model": workers[0].model_name, "prompt": ids, "max_tokens": 2}
+            router.post("/v1/completions", body | {"temperature": 0})
+        served = [worker_counters(w) - b for w, b in zip(workers, before, strict=True)]
+    assert [round(c.requests) for c in served] == [2, 2]
+    for c in served:  # each request found its system prompt's blocks
+        assert c.hits >= 2 * 192
+
+
+def test_router_arguments_are_checked(workers):
+    with pytest.raises(InvalidArgumentError, match="no policy 'kv_aware'"):
+        Router("sglang", workers, "kv_aware")
+    with pytest.raises(InvalidArgumentError, match="router must be one of"):
+        Router("nginx", workers)
+    silent = MiniradWorker()  # not started: only its settings are read
+    with pytest.raises(InvalidArgumentError, match="kv_aware needs KV events"):
+        Router("vllm", [silent], "kv_aware")
+
+
+def test_metrics_without_vllm_counters_are_refused():
+    with pytest.raises(PeerError, match="lack vllm:prefix_cache_queries_total"):
+        parse_counters("# TYPE up gauge\nup 1.0\n")
+
+
+def test_a_worker_that_cannot_start_says_why(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a model folder that does not load
+    with pytest.raises(PeerError, match="exited with code"):
+        MiniradWorker(tmp_path).start(timeout_s=60)
