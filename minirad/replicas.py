@@ -7,7 +7,7 @@ and a router in front that picks a replica per request. Every part is the real p
   optional vLLM KV events) as a subprocess;
 - :class:`~minirad.vllm_server.VLLMServer`: the real vLLM (``make vllm``);
 - :class:`Router`: ``sglang-router`` 0.3.2 (policies random, round_robin, cache_aware,
-  power_of_two) or ``vllm-router`` 0.1.17 (also kv_aware, consistent_hash,
+  power_of_two, manual) or ``vllm-router`` 0.1.17 (also kv_aware, consistent_hash,
   sticky_least_loaded), from their own venv (``make routers``).
 
 Each server can be pinned to cores (``cpus``), as on a real machine each replica has its own
@@ -25,7 +25,8 @@ How the two routers decide (``sgl-router/src/policies``, ``vllm-router``'s ``kv_
 - **kv_aware** subscribes to every worker's KV events (``BlockStored`` with ``token_ids``,
   ``BlockRemoved``) and routes a token-id prompt to the worker whose cache holds the longest
   prefix of it: what the caches really hold, evictions and requests sent behind the router's
-  back included. It takes ``/v1/completions`` with token-id prompts only.
+  back included. It consults the caches only for ``/v1/completions`` with token-id prompts;
+  text prompts and chat requests it routes without them (by load), silently.
 
 Example::
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,6 @@ __all__ = [
     "MiniradWorker",
     "Router",
     "WorkerCounters",
-    "counters_delta",
     "parse_counters",
     "router_executable",
     "worker_counters",
@@ -70,7 +70,7 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "data" / "models" / "minirad-tiny-llava"
 ROUTER_VENV = Path(os.environ.get("MINIRAD_ROUTER_VENV", REPO_ROOT / ".venv-router"))
 ROUTERS = {"sglang": "sglang-router", "vllm": "vllm-router"}
 POLICIES = {
-    "sglang": ("random", "round_robin", "cache_aware", "power_of_two"),
+    "sglang": ("random", "round_robin", "cache_aware", "power_of_two", "manual"),
     "vllm": (
         "random",
         "round_robin",
@@ -190,6 +190,8 @@ class Router(ServerProcess):
         PeerError: the router venv is missing.
     """
 
+    start_timeout_s = 60.0  # a router is up in ~2 s; waiting longer is waiting for a worker
+
     def __init__(
         self,
         router: str,
@@ -207,6 +209,9 @@ class Router(ServerProcess):
             )
         if not workers:
             raise InvalidArgumentError("a router needs at least one worker")
+        urls = [w.base_url for w in workers]
+        if len(set(urls)) < len(urls):
+            raise InvalidArgumentError(f"a worker is listed twice: {urls}")
         if policy == "kv_aware":
             silent = [w.base_url for w in workers if getattr(w, "kv_events_endpoint", None) is None]
             if silent:
@@ -217,6 +222,7 @@ class Router(ServerProcess):
         self.model_dir = Path(model_dir).resolve()
         self.prometheus_port = free_port()
         self.extra_args = tuple(extra_args)
+        self._readiness: dict | None = None
 
     def command(self) -> list[str]:
         cmd = [str(self.executable)] + (["launch"] if self.router == "sglang" else [])
@@ -234,12 +240,24 @@ class Router(ServerProcess):
 
     def healthy(self) -> bool:
         """Every worker is registered and healthy (``GET /readiness``): a router answers
-        ``/health`` before its first health checks of the workers, and 503s until then."""
+        ``/health`` before its first health checks of the workers, and 503s until then.
+        Only a start-up check: a router keeps reporting a worker healthy for a while after it
+        died (until its own health checks fail)."""
         try:
-            ready = json.loads(self.get_text("/readiness", timeout_s=2))
+            self._readiness = json.loads(self.get_text("/readiness", timeout_s=2))
         except (PeerError, json.JSONDecodeError):
+            self._readiness = None
             return False
-        return ready.get("healthy_workers") == len(self.workers)
+        return self._readiness.get("healthy_workers") == len(self.workers)
+
+    def not_ready(self) -> str:
+        if self._readiness is None:
+            return "did not answer /readiness"
+        down = [w.base_url for w in self.workers if not w.healthy()]
+        return (
+            f"saw {self._readiness.get('healthy_workers')} of {len(self.workers)} workers "
+            f"healthy (GET /readiness; not answering /health: {', '.join(down) or 'none'})"
+        )
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -306,10 +324,3 @@ def worker_counters(worker: ServerProcess) -> WorkerCounters:
         PeerError: no answer, or the metrics lack a counter.
     """
     return parse_counters(worker.get_text("/metrics"))
-
-
-def counters_delta(
-    workers: Sequence[ServerProcess], before: Mapping[str, WorkerCounters]
-) -> list[WorkerCounters]:
-    """Each worker's counters since ``before`` (keyed by ``base_url``)."""
-    return [worker_counters(w) - before[w.base_url] for w in workers]

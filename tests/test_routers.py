@@ -117,3 +117,27 @@ def test_a_worker_that_cannot_start_says_why(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a model folder that does not load
     with pytest.raises(PeerError, match="exited with code"):
         MiniradWorker(tmp_path).start(timeout_s=60)
+
+
+def test_the_workload_shares_four_system_prompts_of_seven_blocks(tokenizer):
+    prompts = make_prompts(tokenizer, seed=0)
+    assert prompts == make_prompts(tokenizer, seed=0) != make_prompts(tokenizer, seed=1)
+    systems = {p.split("\nQ: ")[0] for p in prompts}
+    assert len(prompts) == 40 and len(systems) == 4
+    for system in systems:
+        assert 224 <= len(tokenizer(system)["input_ids"]) < 256  # 7 full blocks of 32
+    for p in prompts:  # each prompt's tokens begin with its system prompt's
+        system = tokenizer(p.split("\nQ: ")[0])["input_ids"]
+        assert tokenizer(p)["input_ids"][:224] == system[:224]
+    with pytest.raises(InvalidArgumentError, match="num_requests must be a positive int"):
+        make_prompts(tokenizer, num_requests=0)
+
+
+def test_a_router_waits_for_its_workers_and_says_which_is_down(workers):
+    down = MiniradWorker()  # never started
+    router = Router("sglang", [workers[0], down])
+    with pytest.raises(PeerError, match=f"1 of 2 workers healthy.*{down.base_url}"):
+        router.start(timeout_s=8)
+    assert not router.running
+    with pytest.raises(InvalidArgumentError, match="listed twice"):
+        Router("sglang", [workers[0], workers[0]])

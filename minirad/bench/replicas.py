@@ -10,7 +10,10 @@ its cache did. Per route (router and policy) and concurrency it prints:
   worker's own hit rate;
 - **requests**: how many requests each worker served, and max / mean of those counts (1.0 is an
   even split; N means one worker got everything);
-- **req/s**: requests completed per second of wall time, seen by the clients.
+- **req/s**: requests completed per second of wall time, seen by the clients;
+- **sim**: the hit rate the routing simulator (:mod:`minirad.bench.routing`) predicts for the
+  same token ids, policy (sglang's and vllm-router's cache_aware are one policy there) and
+  concurrency, the check before trusting it for 64 replicas.
 
 Before each run every worker's cache is emptied (``POST /reset_prefix_cache``) and a fresh
 router is started (its own tree starts empty too).
@@ -25,18 +28,27 @@ token ids (its kv_aware policy takes nothing else).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..argtypes import positive_int
 from ..errors import InvalidArgumentError, PeerError
-from ..replicas import POLICIES, MiniradWorker, Router, WorkerCounters, worker_counters
-from ..server_process import ServerProcess
+from ..replicas import (
+    POLICIES,
+    MiniradWorker,
+    Router,
+    WorkerCounters,
+    router_executable,
+    worker_counters,
+)
+from ..routing import POLICIES as SIMULATED
+from ..server_process import ServerProcess, usable_cpus
+from .routing import simulate
+from .trace import ChatTrace, TraceRequest
 
 __all__ = ["RouteRun", "add_arguments", "format_table", "make_prompts", "run_cli", "run_route"]
 
@@ -91,6 +103,8 @@ class RouteRun:
         router, policy, concurrency: what ran.
         counters: each worker's counters over the run, in worker order.
         seconds: wall time from the first request sent to the last answer.
+        simulated: the hit rate :func:`minirad.bench.routing.simulate` predicts for the same
+            token ids, policy, worker count and concurrency (None: not simulated).
     """
 
     router: str
@@ -98,6 +112,7 @@ class RouteRun:
     concurrency: int
     counters: list[WorkerCounters]
     seconds: float
+    simulated: float | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -180,25 +195,42 @@ def _route(value: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m minirad.bench replicas``."""
     parser.add_argument(
-        "--workers", nargs="+", choices=WORKER_KINDS, default=["minirad", "minirad"]
+        "--workers",
+        nargs="+",
+        choices=WORKER_KINDS,
+        default=["minirad", "minirad"],
+        help="one worker per word: minirad serve, or the real vLLM (make vllm)",
     )
-    parser.add_argument("--routes", nargs="+", type=_route, default=list(DEFAULT_ROUTES))
-    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--requests", type=positive_int, default=40)
-    parser.add_argument("--system-prompts", type=positive_int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    routes = ", ".join(f"{r}:{p}" for r, ps in POLICIES.items() for p in ps)
     parser.add_argument(
-        "--no-pin", action="store_true", help="do not pin worker i to core i mod the core count"
+        "--routes",
+        nargs="+",
+        type=_route,
+        default=list(DEFAULT_ROUTES),
+        metavar="ROUTER:POLICY",
+        help=f"one of {routes}",
+    )
+    parser.add_argument(
+        "--concurrency", type=positive_int, nargs="+", default=[1, 4, 8], help="clients"
+    )
+    parser.add_argument("--requests", type=positive_int, default=40, help="per run")
+    parser.add_argument(
+        "--system-prompts", type=positive_int, default=4, help="shared prompts of ~224 tokens"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="do not pin worker i to the i-th usable core"
     )
 
 
 def _start_workers(kinds: Sequence[str], pin: bool, kv_events: bool) -> list[ServerProcess]:
     from ..vllm_server import VLLMServer
 
+    cores = usable_cpus()
     workers: list[ServerProcess] = []
     try:
         for i, kind in enumerate(kinds):
-            cpus = [i % (os.cpu_count() or 1)] if pin else None
+            cpus = [cores[i % len(cores)]] if pin else None
             if kind == "vllm":
                 w: ServerProcess = VLLMServer(kv_events=kv_events, cpus=cpus)
             else:
@@ -215,14 +247,16 @@ def format_table(runs: Sequence[RouteRun], kinds: Sequence[str]) -> str:
     """The runs as a text table, one row per run."""
     lines = [
         f"workers: {', '.join(kinds)}",
-        f"{'router':<8}{'policy':<13}{'conc':>5}{'hit':>7}  {'worker hits':<16}"
+        f"{'router':<8}{'policy':<13}{'conc':>5}{'hit':>7}{'sim':>7}  {'worker hits':<16}"
         f"{'requests':<12}{'max/mean':>9}{'req/s':>8}",
     ]
     for r in runs:
-        hits = " ".join(f"{c.hit_rate:.2f}" for c in r.counters)
+        hits = " ".join(f"{c.hit_rate:.2f}" if c.queries else "-" for c in r.counters)
+        sim = "-" if r.simulated is None else f"{r.simulated:.3f}"
         lines.append(
-            f"{r.router:<8}{r.policy:<13}{r.concurrency:>5}{r.hit_rate:>7.3f}  {hits:<16}"
-            f"{'/'.join(map(str, r.requests)):<12}{r.imbalance:>9.2f}{r.throughput:>8.1f}"
+            f"{r.router:<8}{r.policy:<13}{r.concurrency:>5}{r.hit_rate:>7.3f}{sim:>7}  "
+            f"{hits:<16}{'/'.join(map(str, r.requests)):<12}{r.imbalance:>9.2f}"
+            f"{r.throughput:>8.1f}"
         )
     return "\n".join(lines)
 
@@ -239,18 +273,25 @@ def run_cli(args: argparse.Namespace) -> int:
         f"{len(texts)} requests over {args.system_prompts} system prompts, prompts of "
         f"{lengths[0]}-{lengths[-1]} tokens, 4 new tokens each"
     )
+    trace = ChatTrace([TraceRequest(f"r{i}", i, 0, p, [0] * 4) for i, p in enumerate(ids)], [], [])
+    for router in {r.partition(":")[0] for r in args.routes}:
+        router_executable(router)  # missing: say so before the workers load
     kv_events = any(r.endswith(":kv_aware") for r in args.routes)
     workers = _start_workers(args.workers, not args.no_pin, kv_events)
-    runs = []
+    print(format_table([], args.workers), flush=True)
     try:
         for route in args.routes:
             prompts = texts if route.startswith("sglang:") else ids
+            policy = route.partition(":")[2]
             for c in args.concurrency:
-                runs.append(run_route(workers, route, prompts, c))
-                print(format_table(runs[-1:], args.workers).splitlines()[-1], flush=True)
+                run = run_route(workers, route, prompts, c)
+                # The clients start one after another here, as ramp 1 does (issue 14's check).
+                if policy in SIMULATED:
+                    sim = simulate(trace, policy, len(workers), 1 << 16, 32, c, ramp=1.0)
+                    run = replace(run, simulated=sim.hit_rate)
+                print(format_table([run], args.workers).splitlines()[-1], flush=True)
     finally:
         for w in workers:
             w.stop()
-    print()
-    print(format_table(runs, args.workers))
+    print("\nworker hits: each worker's own hit rate (-: it got no request); requests: per worker")
     return 0

@@ -1,0 +1,48 @@
+"""The subprocess lifecycle every local server shares (minirad.server_process), on a real
+``minirad serve`` worker: start from any thread, a taken port, bad cores, nothing left behind."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from minirad.errors import InvalidArgumentError, PeerError
+from minirad.replicas import MiniradWorker
+from minirad.server_process import usable_cpus
+
+
+@pytest.mark.parametrize("cpus", [[], [True], 0, "0", [max(usable_cpus()) + 1]])
+def test_cpus_must_be_cores_this_process_may_use(cpus):
+    with pytest.raises(InvalidArgumentError, match="cpus must be a list of cores"):
+        MiniradWorker(cpus=cpus)
+
+
+def test_a_worker_started_from_a_thread_outlives_the_thread():
+    """The parent-death signal belongs to the thread that forked: a server started from a
+    thread that then ends must not die with it."""
+    worker = MiniradWorker(cpus=usable_cpus()[:1])
+    thread = threading.Thread(target=worker.start, kwargs={"timeout_s": 120})
+    thread.start()
+    thread.join()
+    try:
+        assert worker.running and worker.healthy()
+        log_dir = worker.log_path.parent
+        threading.Event().wait(1.0)  # a signal from the thread's exit would have landed
+        assert worker.running and worker.healthy()
+    finally:
+        worker.stop()
+    assert not worker.running and not log_dir.exists()  # its log went with it
+
+
+def test_a_taken_port_is_refused_not_mistaken_for_our_server():
+    first = MiniradWorker().start(timeout_s=120)
+    try:
+        second = MiniradWorker(port=first.port)
+        with pytest.raises(PeerError, match=f"port {first.port} is in use"):
+            second.start(timeout_s=30)
+        assert not second.running
+    finally:
+        first.stop()
+    restarted = first.restart(timeout_s=120)  # its own port again, right after it closed
+    restarted.stop()
