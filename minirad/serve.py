@@ -48,6 +48,8 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
   gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc`` (the pool's share held by unfinished requests; cached slots
   that nothing locks count as free, as vLLM counts them).
+- ``GET /server_info``, ``GET /model_info``: SGLang's names for what sglang-router reads when
+  it registers a worker (model path, served name, context length, page size).
 - ``POST /reset_prefix_cache``: empty the radix tree and the encoder cache (KV events:
   ``AllBlocksCleared``); ``{"success": false}`` while requests are in flight. vLLM serves it
   only with ``VLLM_SERVER_DEV_MODE=1``; benchmarks between runs and routers' tests use it.
@@ -840,6 +842,27 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if async_engine.is_healthy else 503)
+
+    # SGLang's discovery endpoints: sglang-router asks a worker for them when it registers
+    # it, and names the worker's model from them (else "unknown", as it names vLLM's).
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        return {
+            "model_path": model_path or served_model_name,
+            "tokenizer_path": model_path or served_model_name,
+            "served_model_name": served_model_name,
+            "context_length": engine.max_model_len,
+            "page_size": engine.config.page_size,
+        }
+
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        return {
+            "model_path": model_path or served_model_name,
+            "tokenizer_path": model_path or served_model_name,
+            "is_generation": True,
+            "has_image_understanding": True,
+        }
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:

@@ -7,6 +7,7 @@ Skipped without ``make routers``, except in CI.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -47,6 +48,16 @@ def prompts(tokenizer):
 def _cached(worker: MiniradWorker, prompt) -> int:
     body = {"model": worker.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     return worker.post("/v1/completions", body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_sglang_router_registers_our_workers_under_their_model(workers):
+    """Our /server_info and /model_info are what sglang-router reads (vLLM's workers, which
+    lack them, are registered as model "unknown")."""
+    with Router("sglang", workers) as router:
+        listed = json.loads(router.get_text("/workers"))["workers"]
+        models = json.loads(router.get_text("/v1/models"))["data"]
+    assert sorted(w["url"] for w in listed) == sorted(w.base_url for w in workers)
+    assert {w["model_id"] for w in listed} == {m["id"] for m in models} == {"minirad-tiny-llava"}
 
 
 def test_round_robin_splits_the_requests(workers, prompts):
