@@ -845,24 +845,16 @@ def build_app(
 
     # SGLang's discovery endpoints: sglang-router asks a worker for them when it registers
     # it, and names the worker's model from them (else "unknown", as it names vLLM's).
+    paths = dict.fromkeys(("model_path", "tokenizer_path"), model_path or served_model_name)
+
     @app.get("/server_info")
     async def server_info() -> dict:
-        return {
-            "model_path": model_path or served_model_name,
-            "tokenizer_path": model_path or served_model_name,
-            "served_model_name": served_model_name,
-            "context_length": engine.max_model_len,
-            "page_size": engine.config.page_size,
-        }
+        limits = {"context_length": engine.max_model_len, "page_size": engine.config.page_size}
+        return paths | {"served_model_name": served_model_name} | limits
 
     @app.get("/model_info")
     async def model_info() -> dict:
-        return {
-            "model_path": model_path or served_model_name,
-            "tokenizer_path": model_path or served_model_name,
-            "is_generation": True,
-            "has_image_understanding": True,
-        }
+        return paths | {"is_generation": True, "has_image_understanding": True}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
