@@ -51,6 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .errors import InvalidArgumentError, PeerError
 from .server_process import ServerProcess, free_port
 from .vllm_env import REPO_ROOT, VLLM_BLOCK_SIZE
+from .vllm_server import DEFAULT_MODEL_DIR
 
 __all__ = [
     "POLICIES",
@@ -64,8 +65,6 @@ __all__ = [
     "worker_counters",
 ]
 
-# Not imported from minirad.models, which imports torch: this module must not.
-DEFAULT_MODEL_DIR = REPO_ROOT / "data" / "models" / "minirad-tiny-llava"
 # ``MINIRAD_ROUTER_VENV`` points elsewhere (a venv shared between clones, say).
 ROUTER_VENV = Path(os.environ.get("MINIRAD_ROUTER_VENV", REPO_ROOT / ".venv-router"))
 ROUTERS = {"sglang": "sglang-router", "vllm": "vllm-router"}
@@ -143,9 +142,9 @@ class MiniradWorker(ServerProcess):
         self.num_kv_slots = num_kv_slots
         self.kv_events_endpoint = self.replay_endpoint = None
         if kv_events:
-            pub, replay = free_port(), free_port()
-            self.kv_events_endpoint = f"tcp://127.0.0.1:{pub}"
-            self.replay_endpoint = f"tcp://127.0.0.1:{replay}"
+            self._pub_port = free_port()
+            self.kv_events_endpoint = f"tcp://127.0.0.1:{self._pub_port}"
+            self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.extra_args = tuple(extra_args)
 
     def command(self) -> list[str]:
@@ -153,8 +152,7 @@ class MiniradWorker(ServerProcess):
         cmd += ["--served-model-name", self.model_name, "--port", str(self.port)]
         cmd += ["--page-size", str(self.page_size), "--num-kv-slots", str(self.num_kv_slots)]
         if self.kv_events_endpoint is not None:
-            pub_port = self.kv_events_endpoint.rsplit(":", 1)[1]
-            cmd += ["--kv-events-endpoint", f"tcp://*:{pub_port}"]
+            cmd += ["--kv-events-endpoint", f"tcp://*:{self._pub_port}"]
             cmd += ["--kv-events-replay-endpoint", self.replay_endpoint]
             cmd += ["--kv-events-block-size", str(VLLM_BLOCK_SIZE)]
         return cmd + list(self.extra_args)

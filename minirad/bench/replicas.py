@@ -54,6 +54,7 @@ __all__ = ["RouteRun", "add_arguments", "format_table", "make_prompts", "run_cli
 
 WORKER_KINDS = ("minirad", "vllm")
 DEFAULT_ROUTES = ("sglang:round_robin", "sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware")
+ROUTES = tuple(f"{router}:{policy}" for router, policies in POLICIES.items() for policy in policies)
 
 
 def make_prompts(
@@ -185,10 +186,8 @@ def run_route(
 
 
 def _route(value: str) -> str:
-    router, sep, policy = value.partition(":")
-    if not sep or router not in POLICIES or policy not in POLICIES[router]:
-        choices = ", ".join(f"{r}:{p}" for r, ps in POLICIES.items() for p in ps)
-        raise argparse.ArgumentTypeError(f"{value!r} is not one of {choices}")
+    if value not in ROUTES:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(ROUTES)}")
     return value
 
 
@@ -201,14 +200,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["minirad", "minirad"],
         help="one worker per word: minirad serve, or the real vLLM (make vllm)",
     )
-    routes = ", ".join(f"{r}:{p}" for r, ps in POLICIES.items() for p in ps)
     parser.add_argument(
         "--routes",
         nargs="+",
         type=_route,
         default=list(DEFAULT_ROUTES),
         metavar="ROUTER:POLICY",
-        help=f"one of {routes}",
+        help=f"one of {', '.join(ROUTES)}",
     )
     parser.add_argument(
         "--concurrency", type=positive_int, nargs="+", default=[1, 4, 8], help="clients"
