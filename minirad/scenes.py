@@ -53,6 +53,7 @@ __all__ = [
     "COLOURS",
     "COUNT_WORDS",
     "DEFAULT_IMAGE_SIZE",
+    "DESCRIPTION_TYPES",
     "JSON_PROMPT",
     "JSON_TASK",
     "QUESTION_TYPES",
@@ -129,12 +130,13 @@ SHAPES_JSON_SCHEMA: dict = {
     "required": ["shapes"],
     "additionalProperties": False,
 }
-# A question type picks one template; "caption" is the description task. TASK_TYPES are the
-# tasks the shipped model is trained and evaluated on; chapter 09's JSON task is not one of them
-# (the model was trained before it, so its JSON answers are valid only under a grammar).
-QUESTION_TYPES = ("colour", "shape", "count", "where", "exists")
-TASK_TYPES = ("caption", *QUESTION_TYPES)
+# A question type picks one template. "caption" and "json" are the two description tasks: both
+# name every shape in reading order, one in words, one as JSON. TASK_TYPES are the tasks the
+# shipped model is trained and evaluated on.
 JSON_TASK = "json"
+DESCRIPTION_TYPES = ("caption", JSON_TASK)
+QUESTION_TYPES = ("colour", "shape", "count", "where", "exists")
+TASK_TYPES = (*DESCRIPTION_TYPES, *QUESTION_TYPES)
 
 
 @dataclass(frozen=True)
@@ -286,9 +288,8 @@ def shapes_json(scene: Scene) -> str:
 
 
 def ask(scene: Scene, task: str, rng: random.Random) -> Question | None:
-    """A random question of type ``task`` (one of :data:`TASK_TYPES`, or :data:`JSON_TASK`)
-    about ``scene``, or None when
-    the scene admits none (``where`` needs two shapes, ``colour`` a shape kind that occurs
+    """A random question of type ``task`` (one of :data:`TASK_TYPES`) about ``scene``, or None
+    when the scene admits none (``where`` needs two shapes, ``colour`` a shape kind that occurs
     once).
 
     ``exists`` answers "yes" or "no" with probability 1/2 each.
@@ -346,7 +347,8 @@ def ask(scene: Scene, task: str, rng: random.Random) -> Question | None:
 
 
 def questions(scene: Scene, rng: random.Random) -> list[Question]:
-    """The caption task plus one random question of every type the scene admits."""
+    """Both description tasks (caption, JSON) plus one random question of every type the scene
+    admits, in :data:`TASK_TYPES` order."""
     asked = (ask(scene, t, rng) for t in TASK_TYPES)
     return [q for q in asked if q is not None]
 

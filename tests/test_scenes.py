@@ -19,6 +19,7 @@ from minirad.scenes import (
     COUNT_WORDS,
     DEFAULT_IMAGE_SIZE,
     GAP,
+    JSON_PROMPT,
     JSON_TASK,
     SHAPES,
     SHAPES_JSON_SCHEMA,
@@ -127,6 +128,9 @@ def oracle_answer(seen: list[Seen], prompt: str) -> str:
     """Answer a prompt from the pixels alone, asserting that the answer is unique."""
     if prompt == CAPTION_PROMPT:
         return expected_caption(seen)
+    if prompt == JSON_PROMPT:
+        shapes = [{"colour": s.colour, "shape": s.kind} for s in reading_order(seen)[0]]
+        return json.dumps({"shapes": shapes})
     if prompt == "How many shapes are there?":
         return COUNT_WORDS[len(seen)]
     if prompt.startswith("What colour is the "):
@@ -228,8 +232,9 @@ def test_question_types_cover_all_answers():
     assert {a.split(" is ")[1].rsplit(" the ")[0] for a in answers["where"]} == {"left of", "above"}
     share = answers["exists"].count("yes") / len(answers["exists"])
     assert 0.4 < share < 0.6, f"exists: {share:.2f} yes"
-    # Every scene has a caption, a shape and a count question.
-    assert len(answers["caption"]) == len(answers["shape"]) == len(answers["count"]) == 600
+    # Every scene has both descriptions, a shape and a count question.
+    assert len(answers["caption"]) == len(answers["json"]) == 600
+    assert len(answers["shape"]) == len(answers["count"]) == 600
 
 
 @pytest.mark.parametrize("seed", range(40))
