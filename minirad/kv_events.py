@@ -67,6 +67,8 @@ __all__ = [
     "KVEventSubscriber",
     "Item",
     "Notice",
+    "batch_from_json",
+    "batch_to_json",
     "decode_frames",
     "encode_batch",
     "load_recording",
@@ -1018,15 +1020,45 @@ def _event_from_json(d: Any) -> KVEvent:
     return msgspec.convert(d, KVEvent)
 
 
-def save_recording(batches: Iterable[tuple[int, KVEventBatch]], path: str | os.PathLike) -> Path:
-    """Write ``(seq, batch)`` pairs as JSON lines, one batch a line::
+def batch_to_json(seq: int, batch: KVEventBatch) -> dict:
+    """One recorded batch as a JSON-ready dict (a line of :func:`save_recording`)::
 
         {"seq": 0, "ts": 1712.5, "data_parallel_rank": 0, "events": [{"type": "BlockStored",
          "block_hashes": ["96b1e2f0c3a4d5e6", ...], "parent_block_hash": null, ...}]}
 
     Hashes are 16-digit hex strings (JSON numbers lose precision above 2**53); fields that are
-    None are left out, except ``parent_block_hash``. The same batches give the same bytes.
-    ``ts`` is kept but nothing needs it to replay. Returns the path.
+    None are left out, except ``parent_block_hash``. ``ts`` is kept but nothing needs it to
+    replay.
+
+    Raises:
+        InvalidArgumentError: ``batch`` is not a :class:`KVEventBatch`.
+    """
+    if not isinstance(batch, KVEventBatch):
+        raise InvalidArgumentError(f"expected a KVEventBatch, got {batch!r}")
+    line = {"seq": int(seq), "ts": batch.ts, "data_parallel_rank": batch.data_parallel_rank}
+    line["events"] = [_event_to_json(e) for e in batch.events]
+    return line
+
+
+def batch_from_json(line: dict) -> tuple[int, KVEventBatch]:
+    """The ``(seq, batch)`` of a dict made by :func:`batch_to_json` (extra keys are ignored).
+
+    Raises:
+        KVEventError: not a recorded batch (the message says what is wrong).
+    """
+    try:
+        seq = line["seq"]
+        if not isinstance(seq, int) or seq < 0:
+            raise ValueError(f"seq must be an int >= 0, got {seq!r}")
+        events = [_event_from_json(e) for e in line["events"]]
+        return seq, KVEventBatch(float(line["ts"]), events, line.get("data_parallel_rank"))
+    except (ValueError, KeyError, TypeError, msgspec.ValidationError) as e:
+        raise KVEventError(f"not a recorded KV-event batch: {e}") from e
+
+
+def save_recording(batches: Iterable[tuple[int, KVEventBatch]], path: str | os.PathLike) -> Path:
+    """Write ``(seq, batch)`` pairs as JSON lines, one batch a line (:func:`batch_to_json`).
+    The same batches give the same bytes. Returns the path.
 
     Raises:
         InvalidArgumentError: an item is not a ``(seq, KVEventBatch)`` pair.
@@ -1035,10 +1067,7 @@ def save_recording(batches: Iterable[tuple[int, KVEventBatch]], path: str | os.P
     for item in batches:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], KVEventBatch)):
             raise InvalidArgumentError(f"expected (seq, KVEventBatch) pairs, got {item!r}")
-        seq, batch = item
-        line = {"seq": int(seq), "ts": batch.ts, "data_parallel_rank": batch.data_parallel_rank}
-        line["events"] = [_event_to_json(e) for e in batch.events]
-        lines.append(json.dumps(line) + "\n")
+        lines.append(json.dumps(batch_to_json(*item)) + "\n")
     path = Path(path)
     path.write_text("".join(lines))
     return path
@@ -1061,12 +1090,10 @@ def load_recording(path: str | os.PathLike) -> list[tuple[int, KVEventBatch]]:
             continue
         try:
             d = json.loads(line)
-            seq = d["seq"]
-            if not isinstance(seq, int) or seq < 0:
-                raise ValueError(f"seq must be an int >= 0, got {seq!r}")
-            events = [_event_from_json(e) for e in d["events"]]
-            batch = KVEventBatch(float(d["ts"]), events, d.get("data_parallel_rank"))
-        except (ValueError, KeyError, TypeError, msgspec.ValidationError) as e:
+        except ValueError as e:
             raise KVEventError(f"{path}:{lineno}: not a recorded KV-event batch: {e}") from e
-        out.append((seq, batch))
+        try:
+            out.append(batch_from_json(d))
+        except KVEventError as e:
+            raise KVEventError(f"{path}:{lineno}: {e}") from e
     return out

@@ -16,17 +16,19 @@ little). :func:`worker_counters` reads a worker's ``/metrics`` (vLLM's counter n
 ours share), so hit rates and request counts come from the workers themselves, not from the
 client.
 
-How the two routers decide (``sgl-router/src/policies``, ``vllm-router``'s ``kv_aware``):
+How the two routers decide (``sgl-router/src/policies``; vllm-router's decision log):
 
 - **cache_aware** keeps an approximate radix tree of the request *text* it has sent to each
   worker; a request goes to the worker with the longest match if that match covers at least
-  ``cache_threshold`` of it, else to the worker with the smallest tree, and to the least-loaded
-  worker whenever the loads are unbalanced (``balance_abs_threshold``, ``balance_rel_threshold``).
+  ``cache_threshold`` of it, else to the least-loaded worker, and to the least-loaded worker
+  whenever the loads are unbalanced (``balance_abs_threshold``, ``balance_rel_threshold``).
 - **kv_aware** subscribes to every worker's KV events (``BlockStored`` with ``token_ids``,
-  ``BlockRemoved``) and routes a token-id prompt to the worker whose cache holds the longest
-  prefix of it: what the caches really hold, evictions and requests sent behind the router's
-  back included. It consults the caches only for ``/v1/completions`` with token-id prompts;
-  text prompts and chat requests it routes without them (by load), silently.
+  ``BlockRemoved``) and prices each worker: the prompt's new prefill there (its cached prefix
+  credited in full for ``"GPU"`` blocks, at 0.8 for ``"CPU"`` ones) plus the new prefill it
+  has in flight there; the cheapest wins (:class:`minirad.routing.KVAwarePolicy`). So it sees
+  what the caches really hold, evictions and requests sent behind the router's back
+  included. It consults the caches only for ``/v1/completions`` with token-id prompts; text
+  prompts and chat requests it routes without them (by load), silently.
 
 Example::
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +61,12 @@ __all__ = [
     "ROUTERS",
     "ROUTER_VENV",
     "MiniradWorker",
+    "Routed",
     "Router",
     "WorkerCounters",
     "parse_counters",
     "router_executable",
+    "send_routed",
     "worker_counters",
 ]
 
@@ -322,3 +327,62 @@ def worker_counters(worker: ServerProcess) -> WorkerCounters:
         PeerError: no answer, or the metrics lack a counter.
     """
     return parse_counters(worker.get_text("/metrics"))
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One request sent through a router, and the worker that served it.
+
+    Attributes:
+        worker: the index, in ``router.workers``, of the worker whose request counter moved.
+        reply: the response body, as the worker wrote it (the routers pass it on unchanged).
+    """
+
+    worker: int
+    reply: dict
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.reply["usage"]["prompt_tokens"]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the worker served from its prefix cache
+        (``usage.prompt_tokens_details.cached_tokens``)."""
+        details = self.reply["usage"].get("prompt_tokens_details") or {}
+        return details.get("cached_tokens") or 0
+
+
+def send_routed(
+    router: Router, body: dict, path: str = "/v1/completions", timeout_s: float = 5.0
+) -> Routed:
+    """POST ``body`` through ``router`` and find which worker served it.
+
+    Neither router says where it sent a request, in the response or its headers; the workers'
+    own counters do. Each worker's ``vllm:request_success`` is read before and after (polling
+    for up to ``timeout_s`` seconds: a server may count a request just after replying), and
+    exactly one must have moved, by one. So the workers must serve nobody else meanwhile: send
+    one request at a time.
+
+    Raises:
+        PeerError: the request failed, no worker counted it in time, or more than one request
+            was counted (another client is using the workers).
+    """
+    before = [worker_counters(w).requests for w in router.workers]
+    reply = router.post(path, body)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        moved = [
+            worker_counters(w).requests - b for w, b in zip(router.workers, before, strict=True)
+        ]
+        served = [i for i, m in enumerate(moved) if m]
+        if sum(moved) > 1:
+            raise PeerError(
+                f"the workers counted {sum(moved):.0f} requests for one ({moved}): another "
+                "client is using them, so the router's choice cannot be told"
+            )
+        if served:
+            return Routed(served[0], reply)
+        if time.monotonic() > deadline:
+            raise PeerError(f"no worker counted the request within {timeout_s} s")
+        time.sleep(0.02)

@@ -8,7 +8,9 @@ and, for ``kv_aware``, vLLM's router and NVIDIA Dynamo, which route from the rep
 Every policy sees the request's key and ``loads``: the requests the router has in flight on
 each replica (SGLang's ``Worker::load()``), in requests. "Least loaded" means the first
 replica of smallest load (Rust's ``min_by_key`` returns the first minimum). That is why, at
-load 0 (one client at a time), the least-loaded rule always answers replica 0.
+load 0 (one client at a time), the least-loaded rule always answers replica 0: the first in
+the router's own order, which need not be the order of its ``--worker-urls`` (the measured
+pile-ups went to either worker, the same one all run long).
 
 Keys: SGLang's tree holds request *text*, one character per edge step; here a key is any
 sequence of hashable items (a ``str``, or token ids standing in for text, one id per
@@ -68,6 +70,14 @@ class RoutingPolicy:
 
     def _select(self, key: Sequence[Hashable], loads: Sequence[int], now: float = 0.0) -> int:
         raise NotImplementedError
+
+    def finish(self, replica: int, key: Sequence[Hashable]) -> None:
+        """A request for ``key`` routed to ``replica`` has finished (only policies that keep
+        a ledger of what is in flight read it; among equal keys, the oldest finishes).
+
+        Raises:
+            InvalidArgumentError: no such request is in flight there (ledger policies).
+        """
 
 
 def _least_loaded(loads: Sequence[int]) -> int:
@@ -274,35 +284,41 @@ class CacheAwarePolicy(RoutingPolicy):
 
 
 class KVAwarePolicy(RoutingPolicy):
-    """vLLM's router ``kv_aware`` (``src/policies/kv_aware.rs``): route by the replicas' real
-    caches, as its index fed by the replicas' KV events (block stored / removed) sees them.
+    """vllm-router's ``kv_aware`` (0.1.17): route by the replicas' real caches, as its index
+    fed by their KV events (block stored / removed) sees them, weighed against the prefill
+    work already sent to each replica.
 
-    Per request, cut into full ``block_size``-token blocks:
+    What the router does, as its decision log says (``--log-level debug``: ``KV prefix
+    decision outcome="prefix_cost" worker=... input_tokens=260 new_prefill_tokens=81
+    credited_prefix_tokens=179``):
 
-    1. Each replica's score: the blocks of the longest prefix it holds, really cached
-       (``cached_tokens``) or speculatively promised (step 3).
-    2. The highest score wins; on a tie the *last* of the tied replicas (Rust's
-       ``max_by_key``), whatever their load. A score of 0 everywhere (or no full block):
-       the least-loaded replica, the first on a tie, so under light traffic new prefixes
-       pile onto replica 0 here too.
-    3. Speculative indexing: the request's uncached blocks are entered for the chosen
-       replica for ``speculative_ttl``, so that requests arriving before its KV events
-       follow it.
+    1. Each replica's cached prefix of the request, in whole ``block_size``-token blocks, is
+       credited at ``credit`` per token: vllm-router's ``--kv-penalty-*`` for the memory the
+       events name (1.0 for vLLM's ``"GPU"`` blocks; ``kv_penalty_host`` 0.8 for ``"CPU"``,
+       which our workers publish). The rest is the request's new prefill there.
+    2. A replica's cost: that new prefill plus the new prefill of every request the router
+       has in flight on it (its ledger, kept from :meth:`select` to :meth:`finish`).
+    3. The cheapest replica wins, the first on a tie: with nothing cached and nothing in
+       flight, new prefixes pile onto replica 0.
 
-    One replica alone is always chosen. Unlike :class:`CacheAwarePolicy` it sees evictions
-    and requests that bypassed the router. Here ``cached_tokens`` reads the replicas' trees
-    directly: an event stream with no delay.
+    So a cached prefix is worth its tokens, and no more: under load a request goes past the
+    replica that holds its prompt when that replica's queue of uncomputed prompt tokens is
+    longer than what the prefix saves. (Versions before 0.1.17 took the longest prefix
+    whatever the load, ``src/policies/kv_aware.rs``; this one measured as modelled here, within
+    a point, on issue 14's two-replica runs.) Unlike :class:`CacheAwarePolicy` it sees
+    evictions and requests that bypassed the router. Here ``cached_tokens`` reads the
+    replicas' trees directly: an event stream with no delay.
 
     Args:
         num_workers: replicas.
         cached_tokens: ``cached_tokens(replica, key)``: how many leading tokens of ``key``
-            that replica has cached (whole blocks), without touching its cache.
+            that replica has cached, without touching its cache.
         block_size: tokens per block (vLLM's ``--block-size``; the router's default 16).
-        speculative_ttl: lifetime of a speculative entry, in the caller's time unit (the
-            ``now`` given to :meth:`select`); 0 disables them (``enable_speculative``).
+        credit: the credit per cached token, one for all replicas or one per replica.
 
     Raises:
-        InvalidArgumentError: ``block_size`` not a positive int, ``speculative_ttl < 0``.
+        InvalidArgumentError: ``block_size`` not a positive int, a credit outside [0, 1] or
+            not one per replica.
     """
 
     name = "kv_aware"
@@ -312,48 +328,36 @@ class KVAwarePolicy(RoutingPolicy):
         num_workers: int,
         cached_tokens: Callable[[int, Sequence[int]], int],
         block_size: int = 16,
-        speculative_ttl: float = 0.0,
+        credit: float | Sequence[float] = 1.0,
     ) -> None:
         super().__init__(num_workers)
         self.block_size = _check_count("block_size", block_size)
-        if speculative_ttl < 0:
-            raise InvalidArgumentError(f"speculative_ttl must be >= 0, got {speculative_ttl!r}")
+        credits = [credit] * num_workers if isinstance(credit, int | float) else list(credit)
+        if len(credits) != num_workers or not all(0.0 <= c <= 1.0 for c in credits):
+            raise InvalidArgumentError(
+                f"credit must be in [0, 1], one or one per replica, got {credit!r}"
+            )
         self.cached_tokens = cached_tokens
-        self.speculative_ttl = speculative_ttl
-        # block key (chained over the prefix) -> (replica, expiry time)
-        self._speculative: dict[int, tuple[int, float]] = {}
+        self.credits = credits
+        self.in_flight = [0] * num_workers  # new-prefill tokens routed and not finished
+        self._ledger: dict[tuple[int, tuple], list[int]] = {}
 
-    def _block_keys(self, key: Sequence[int]) -> list[int]:
-        """One key per full block, each a hash of the block and the key before it (vLLM's
-        chained block hashes, with Python's ``hash`` in place of SHA-256)."""
-        bs, parent, keys = self.block_size, 0, []
-        for end in range(bs, len(key) + 1, bs):
-            parent = hash((parent, tuple(key[end - bs : end])))
-            keys.append(parent)
-        return keys
-
-    def _score(self, i: int, key: Sequence[int], blocks: list[int], now: float) -> int:
-        score = self.cached_tokens(i, key) // self.block_size
-        while score < len(blocks):
-            entry = self._speculative.get(blocks[score])
-            if entry is None or entry[0] != i or entry[1] <= now:
-                break
-            score += 1
-        return score
+    def new_prefill(self, replica: int, key: Sequence[int]) -> int:
+        """Tokens of ``key`` that ``replica`` would compute: all but its credited prefix."""
+        bs = self.block_size
+        cached = self.cached_tokens(replica, key) // bs * bs
+        return len(key) - int(cached * self.credits[replica])
 
     def _select(self, key: Sequence[Hashable], loads: Sequence[int], now: float = 0.0) -> int:
-        if self.num_workers == 1:
-            return 0
-        blocks = self._block_keys(key)  # type: ignore[arg-type]
-        if not blocks:
-            return _least_loaded(loads)
-        scores = [self._score(i, key, blocks, now) for i in range(self.num_workers)]  # type: ignore[arg-type]
-        best = max(scores)
-        if best == 0:
-            choice = _least_loaded(loads)
-        else:
-            choice = max(i for i in range(self.num_workers) if scores[i] == best)
-        if self.speculative_ttl:
-            for block in blocks[best:]:
-                self._speculative[block] = (choice, now + self.speculative_ttl)
+        new = [self.new_prefill(i, key) for i in range(self.num_workers)]  # type: ignore[arg-type]
+        costs = [n + q for n, q in zip(new, self.in_flight, strict=True)]
+        choice = costs.index(min(costs))
+        self.in_flight[choice] += new[choice]
+        self._ledger.setdefault((choice, tuple(key)), []).append(new[choice])
         return choice
+
+    def finish(self, replica: int, key: Sequence[Hashable]) -> None:
+        entries = self._ledger.get((replica, tuple(key)))
+        if not entries:
+            raise InvalidArgumentError(f"no request of this key is in flight on {replica}")
+        self.in_flight[replica] -= entries.pop(0)

@@ -13,9 +13,17 @@ import time
 
 import pytest
 
+import viz
 from minirad.bench.replicas import format_table, make_prompts, run_route
 from minirad.errors import InvalidArgumentError, PeerError
-from minirad.replicas import MiniradWorker, Router, parse_counters, worker_counters
+from minirad.kv_events import AllBlocksCleared, BlockStored
+from minirad.replicas import (
+    MiniradWorker,
+    Router,
+    parse_counters,
+    send_routed,
+    worker_counters,
+)
 from minirad.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("router_venv")
@@ -152,3 +160,47 @@ def test_a_router_waits_for_its_workers_and_says_which_is_down(workers):
     assert not router.running
     with pytest.raises(InvalidArgumentError, match="listed twice"):
         Router("sglang", [workers[0], workers[0]])
+
+
+def _blocks(ids: list[int], size: int = 32) -> set[tuple[int, ...]]:
+    return {tuple(ids[k : k + size]) for k in range(0, len(ids) - size + 1, size)}
+
+
+def test_send_routed_and_the_replica_view_follow_the_routers_choice(workers, prompts, tokenizer):
+    """Round robin through the real router: send_routed names the worker that served each
+    request, from the workers' counters, and each tree of the view holds exactly the blocks
+    of the prompts its replica was sent (what its own KV events said)."""
+    for w in workers:
+        assert w.reset_prefix_cache()
+    with Router("sglang", workers, "round_robin") as router:
+        view = viz.watch_replicas(router.workers)
+        try:
+            for p in prompts[:6]:
+                body = {"model": workers[0].model_name, "prompt": p, "max_tokens": 1}
+                view.send(router, body | {"temperature": 0})
+            again = {"model": workers[0].model_name, "prompt": prompts[4], "max_tokens": 1}
+            routed = send_routed(router, again | {"temperature": 0})
+        finally:
+            view.stop()
+    chosen = [r.replica for r in view.routes]
+    assert sorted(chosen) == [0, 0, 0, 1, 1, 1] and chosen[::2] == [chosen[0]] * 3
+    # The seventh request: the turn comes round to the worker that served the fifth prompt,
+    # sent again, and it finds its blocks.
+    assert routed.worker == chosen[4] == chosen[0]
+    assert routed.cached_tokens >= 224
+    for i, tree in enumerate(view.views):
+        sent = set().union(
+            *(
+                _blocks(tokenizer(p)["input_ids"])
+                for p, r in zip(prompts[:6], view.routes, strict=True)
+                if r.replica == i
+            )
+        )
+        held: set = set()  # the blocks since the reset (the replay socket sends older ones)
+        for _, batch in tree.batches:
+            for e in batch.events:
+                if isinstance(e, AllBlocksCleared):
+                    held = set()
+                elif isinstance(e, BlockStored):
+                    held |= _blocks(e.token_ids)
+        assert held == sent

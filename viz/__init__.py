@@ -12,6 +12,8 @@ imports ``viz``.
 - :mod:`viz.export`: a standalone HTML replay.
 - :mod:`viz.sources`: builders for an engine, a cache, the Figure 3 scenario.
 - :mod:`viz.watch`: a real vLLM server's block cache, live from its KV events, or replayed.
+- :mod:`viz.replicas`: several replicas' block caches side by side, and the router's choice
+  for each request (chapter 10).
 - :mod:`viz.charts`: matplotlib charts of the chapters (hit rates, forced tokens...).
 - :mod:`viz.token_fsm`: a grammar's token-level state machine, explored through its mask and
   drawn with graphviz (chapter 09).
@@ -28,6 +30,7 @@ Example::
 from .frame import Frame, NodeView
 from .frame_builder import FrameBuilder, frames_from_events, image_names
 from .layout import StableLayout
+from .replicas import ReplicaCacheView, replay_replicas, watch_replicas
 from .svg import frame_svg
 from .watch import BlockCacheView, replay_recording, watch
 from .widget import RadixView, replay_scenario, run_engine
@@ -38,12 +41,15 @@ __all__ = [
     "FrameBuilder",
     "NodeView",
     "RadixView",
+    "ReplicaCacheView",
     "StableLayout",
     "frame_svg",
     "frames_from_events",
     "image_names",
     "replay_recording",
+    "replay_replicas",
     "replay_scenario",
     "run_engine",
     "watch",
+    "watch_replicas",
 ]

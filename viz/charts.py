@@ -9,6 +9,10 @@ ideas, not plotting.
   and the infinite cache (chapter 03).
 - :func:`forced_tokens_chart`: an answer's tokens in reading order, those a grammar forced
   (jump-forward) in teal (chapter 09).
+- :func:`routing_runs_chart`: measured router runs, hit rate and requests per worker, for
+  several kinds of worker side by side (chapter 10).
+- :func:`replica_sweep_chart`: simulated hit rate and load imbalance of router policies over
+  a swept quantity (replicas, traffic skew; chapter 10).
 
 Example::
 
@@ -36,6 +40,8 @@ __all__ = [
     "forced_tokens_chart",
     "hit_rate_chart",
     "paged_batch_chart",
+    "replica_sweep_chart",
+    "routing_runs_chart",
 ]
 
 _COLOURS = ("#9ecae1", "#3182bd", "#31a354", "#e6550d")
@@ -405,5 +411,168 @@ def forced_tokens_chart(
         ncols=2,
         frameon=False,
     )
+    fig.tight_layout()
+    return fig
+
+
+# Router policies of chapter 10: (colour, marker, line style).
+_ROUTING_STYLES = {
+    "round_robin": ("0.45", "o", "-"),
+    "random": ("#c9a227", "v", "-"),
+    "power_of_two": ("#e6550d", "s", "-"),
+    "cache_aware": ("#3182bd", "o", "-"),
+    "kv_aware": ("#31a354", "x", "--"),
+}
+# Worker 0 and worker 1 of a run's request split (dark, light), per kind of worker.
+_WORKER_SHADES = (("#3182bd", "#9ecae1"), ("#e6550d", "#fdae6b"), ("#31a354", "#a1d99b"))
+
+
+def routing_runs_chart(
+    runs: Mapping[str, Sequence[Any]],
+    best: float | None = None,
+    baseline: float | None = None,
+    baseline_label: str = "round robin",
+    title: str = "two workers behind the real routers",
+) -> Figure:
+    """Measured router runs: above, each run's hit rate, one marker per kind of worker; below,
+    how its requests split between the workers (stacked, worker 0 dark), one bar per kind.
+
+    Args:
+        runs: ``{kind of worker: runs}``, each run with ``router``, ``policy``,
+            ``concurrency``, ``hit_rate`` and ``requests`` (one count per worker), as
+            :class:`minirad.bench.replicas.RouteRun` has; every kind lists the same
+            (router, policy, concurrency) in the same order (the x axis).
+        best: the best hit rate any router could reach, drawn as a dotted line.
+        baseline: another reference hit rate, drawn dashed, named ``baseline_label``.
+
+    Raises:
+        ValueError: no runs, or kinds that do not list the same runs in the same order.
+    """
+    kinds = list(runs)
+    if not kinds or not runs[kinds[0]]:
+        raise ValueError("no runs to draw")
+    if len(kinds) > len(_WORKER_SHADES):
+        raise ValueError(f"at most {len(_WORKER_SHADES)} kinds of worker, got {len(kinds)}")
+    keys = [(r.router, r.policy, r.concurrency) for r in runs[kinds[0]]]
+    for kind in kinds[1:]:
+        if [(r.router, r.policy, r.concurrency) for r in runs[kind]] != keys:
+            raise ValueError(f"{kind!r} does not list the runs of {kinds[0]!r} in its order")
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(7.6, 4.6), sharex=True, gridspec_kw={"height_ratios": [1, 1.2]}
+    )
+    xs = range(len(keys))
+    width = 0.8 / len(kinds)
+    for k, kind in enumerate(kinds):
+        offset = (k - (len(kinds) - 1) / 2) * width
+        dark, light = _WORKER_SHADES[k]
+        top.plot(
+            [x + offset for x in xs],
+            [r.hit_rate for r in runs[kind]],
+            linestyle="none",
+            marker="o",
+            color=dark,
+            label=f"{kind} workers",
+        )
+        first = [r.requests[0] for r in runs[kind]]
+        rest = [sum(r.requests[1:]) for r in runs[kind]]
+        at = [x + offset for x in xs]
+        bottom.bar(at, first, width=width * 0.9, color=dark, label=f"{kind}: worker 0")
+        bottom.bar(
+            at, rest, width=width * 0.9, bottom=first, color=light, label=f"{kind}: worker 1"
+        )
+    if best is not None:
+        top.axhline(
+            best, color="black", linestyle=":", linewidth=1, label=f"best possible {best:.3f}"
+        )
+    if baseline is not None:
+        top.axhline(
+            baseline,
+            color="0.5",
+            linestyle="--",
+            linewidth=1,
+            label=f"{baseline_label} {baseline:.3f}",
+        )
+    starts = [x for x in range(len(keys)) if x == 0 or keys[x][:2] != keys[x - 1][:2]]
+    for x in starts[1:]:  # a thin line between two routes
+        for ax in (top, bottom):
+            ax.axvline(x - 0.5, color="0.85", linewidth=0.8)
+    for a, b in zip(starts, [*starts[1:], len(keys)], strict=True):  # each route, named once
+        router, policy, _ = keys[a]
+        bottom.annotate(
+            f"{policy}\n{router}-router",
+            ((a + b - 1) / 2, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -16),
+            textcoords="offset points",
+            ha="center",
+            va="top",
+            fontsize=7,
+        )
+    top.set_ylabel("hit rate", fontsize=8)
+    top.set_title(title, fontsize=10, pad=22)
+    top.legend(fontsize=7, frameon=False, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 0.98))
+    bottom.set_ylabel("requests per worker", fontsize=8)
+    bottom.legend(
+        fontsize=7,
+        frameon=False,
+        ncols=2 * len(kinds),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.36),
+    )
+    bottom.set_xticks(list(xs), [str(c) for _, _, c in keys], fontsize=7)
+    bottom.set_xlabel("clients", fontsize=7, labelpad=1)
+    bottom.xaxis.set_label_coords(-0.045, -0.02)
+    for ax in (top, bottom):
+        ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def replica_sweep_chart(
+    xs: Sequence[float],
+    hit_rates: Mapping[str, Sequence[float]],
+    imbalance: Mapping[str, Sequence[float]],
+    xlabel: str,
+    title: str = "",
+    log_x: bool = False,
+) -> Figure:
+    """Two panels over a swept quantity (the number of replicas, the traffic skew): left, each
+    policy's hit rate; right, its load imbalance (max / mean requests per replica, 1 is even).
+
+    Args:
+        xs: the swept values (the x axis of both panels).
+        hit_rates, imbalance: ``{policy: one value per x}``; policies named as in
+            :data:`minirad.routing.POLICIES` get their own styles.
+        xlabel: what ``xs`` are.
+        log_x: a base-2 logarithmic x axis (replica counts 2, 4, ... 64).
+
+    Raises:
+        ValueError: a series does not have one value per x.
+    """
+    series = list(hit_rates.values()) + list(imbalance.values())
+    if any(len(v) != len(xs) for v in series):
+        raise ValueError("every series needs one value per x")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.6, 2.9))
+    for ax, values, ylabel in (
+        (left, hit_rates, "hit rate (prompt tokens)"),
+        (right, imbalance, "requests: max / mean replica"),
+    ):
+        for k, (name, ys) in enumerate(values.items()):
+            colour, marker, line = _ROUTING_STYLES.get(
+                name, (_COLOURS[k % len(_COLOURS)], ".", "-")
+            )
+            ax.plot(xs, ys, marker=marker, linestyle=line, color=colour, label=name)
+        if log_x:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.spines[["top", "right"]].set_visible(False)
+    left.set_ylim(0, 1)
+    right.set_ylim(bottom=0)
+    right.axhline(1, color="0.7", linestyle=":", linewidth=1)
+    left.legend(fontsize=7, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -16,14 +16,16 @@ the tree, the KV pool: one cell per page, coloured by the owner's state (tree no
 
 from __future__ import annotations
 
+import re
 import textwrap
+from collections.abc import Sequence
 from xml.sax.saxutils import escape, quoteattr
 
 from minirad.events import plural
 
 from .frame import Frame, NodeView
 
-__all__ = ["COLORS", "frame_svg"]
+__all__ = ["COLORS", "frame_svg", "side_by_side"]
 
 # Layout geometry, in px (radix_view.js uses the same numbers).
 COL_W, ROW_H = 148, 64
@@ -256,3 +258,51 @@ def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110
     out += _legend(legend_y, any(n.label is not None and n.label.forced for n in frame.nodes))
     out.append("</svg>")
     return "\n".join(out)
+
+
+def side_by_side(
+    drawings: Sequence[str], headings: Sequence[str], footer: Sequence[str] = ()
+) -> str:
+    """Several SVG documents (:func:`frame_svg`'s) in one row, each under its heading, with
+    ``footer`` lines of monospaced text below: one replica's tree per column (chapter 10).
+    Scaled down to :data:`MAX_WIDTH` px as a whole.
+
+    Raises:
+        ValueError: not one heading per drawing, or a drawing that is not an ``<svg>`` with
+            ``width`` and ``height``.
+    """
+    if len(drawings) != len(headings):
+        raise ValueError(f"{len(drawings)} drawings but {len(headings)} headings")
+    gap, head_h, line_h = 16, 22, 16
+    x, height, out = 0, 0, []
+    for drawing, heading in zip(drawings, headings, strict=True):
+        size = re.match(r'<svg [^>]*?width="(\d+)" height="(\d+)"', drawing)
+        if size is None:
+            raise ValueError("a drawing must start <svg ... width=... height=...>")
+        w, h = int(size[1]), int(size[2])
+        out.append(
+            f'<text x="{x + MARGIN}" y="{MARGIN + 12}" font-size="14" font-weight="bold">'
+            f"{escape(heading)}</text>"
+        )
+        out.append(drawing.replace("<svg ", f'<svg x="{x}" y="{MARGIN + head_h}" ', 1))
+        x, height = x + w + gap, max(height, h)
+    width = max(x - gap, 640)
+    y = MARGIN + head_h + height + 8
+    for line in footer:
+        y += line_h
+        out.append(
+            f'<text x="{MARGIN}" y="{y}" font-size="12" font-family="monospace" '
+            f'xml:space="preserve">{escape(line)}</text>'
+        )
+    total_h = y + MARGIN
+    shown_w = min(width, MAX_WIDTH)
+    shown_h = -(-total_h * shown_w // width)
+    return "\n".join(
+        [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{shown_w}" height="{shown_h}" '
+            f'viewBox="0 0 {width} {total_h}" font-family="{FONT}" class="radix-view-static">',
+            f'<rect x="0" y="0" width="{width}" height="{total_h}" fill="#ffffff"/>',
+            *out,
+            "</svg>",
+        ]
+    )

@@ -78,6 +78,7 @@ class BlockCacheView(RadixView):
     Args:
         model_dir: the served model's folder, for token labels and image chips (its
             ``image_token_index`` and ``vocab_size``); None: raw ids, images fork by hash only.
+        title: the player's title (in its HTML export).
         kwargs: :class:`~viz.widget.RadixView` traits.
 
     Attributes:
@@ -85,8 +86,13 @@ class BlockCacheView(RadixView):
         batches: every ``(seq, batch)`` applied, in order (what :meth:`save_recording` writes).
     """
 
-    def __init__(self, model_dir: str | os.PathLike | None = DEFAULT_MODEL_DIR, **kwargs) -> None:
-        super().__init__(title="vLLM prefix cache (KV events)", **kwargs)
+    def __init__(
+        self,
+        model_dir: str | os.PathLike | None = DEFAULT_MODEL_DIR,
+        title: str = "vLLM prefix cache (KV events)",
+        **kwargs,
+    ) -> None:
+        super().__init__(title=title, **kwargs)
         settings = _model_settings(model_dir)
         decode = settings.pop("decode", None)
         self.tree = BlockHashTree(**settings)
@@ -135,7 +141,10 @@ class BlockCacheView(RadixView):
         self._frame("server restarted: its cache starts empty", self.tree.restart)
         self._restarted = True
 
-    def _on_item(self, item: tuple[int, KVEventBatch] | Notice) -> None:
+    def receive(self, item: tuple[int, KVEventBatch] | Notice) -> None:
+        """Take one item of a :class:`~minirad.kv_events.KVEventSubscriber`: a ``(seq,
+        batch)`` is drawn (:meth:`apply_batch`), a notice goes to the status line (and a
+        restart clears the view)."""
         if isinstance(item, Notice):
             with self._lock:
                 self.status = item.message
@@ -154,7 +163,7 @@ class BlockCacheView(RadixView):
             raise RuntimeError("this view already listens; stop() it first")
         self._subscriber = subscriber
         self.status = f"listening on {subscriber.endpoint}"
-        subscriber.start(self._on_item)
+        subscriber.start(self.receive)
         return self
 
     def stop(self) -> None:

@@ -16,12 +16,14 @@ Hit rate: cached prompt tokens / prompt tokens (vLLM's ``prefix_cache_hits_total
 prefix_cache_queries_total``). Load imbalance: max / mean over replicas of requests (and of
 prompt tokens); 1.0 is perfectly even.
 
-Calibration (``--calibrate``): the two-replica workload measured in issue 14 with real
-vLLM servers behind sglang-router (40 requests over 4 system prompts of 224 tokens, 7
-blocks of 32, short user tails, 4 new tokens). At concurrency 1 the simulation agrees with
-the measurements. At concurrency 4 it agrees once the clients start a decode step apart
-(``ramp``); started together, the same-prefix requests of the first burst all miss, which
-costs 2 to 4 points here (one miss is about 2 points of this 40-request workload).
+Calibration (``--calibrate``): the two-replica workload measured in issue 14 behind the real
+routers (40 requests over 4 system prompts of 224 tokens, 7 blocks of 32, short user tails,
+4 new tokens; ``python -m minirad.bench replicas``), with our workers and with vLLM's. The
+simulation agrees once the clients start a decode step apart (``ramp``); started together,
+the same-prefix requests of the first burst all miss, which costs 2 to 4 points here (one
+miss is about 2 points of this 40-request workload). ``kv_aware`` depends on the memory the
+workers' events name (``kv_credit``): vllm-router credits vLLM's ``"GPU"`` blocks in full and
+our ``"CPU"`` blocks at 0.8, so the same routing on the same prompts scores differently.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..argtypes import positive_int
@@ -42,27 +45,51 @@ from ..routing import (
     RoundRobinPolicy,
     RoutingPolicy,
 )
+from ..vllm_env import REPO_ROOT
 from .radix import _Lifecycle
 from .trace import ChatTrace, make_chat_trace
 
 __all__ = [
-    "MEASURED",
+    "KV_CREDIT",
+    "MEASURED_RUNS",
     "RoutingResult",
     "add_arguments",
     "calibration_trace",
+    "measured_hit_rates",
     "run_cli",
     "simulate",
     "skewed",
 ]
 
-# Issue 14's measured hit rates, two vLLM CPU replicas behind sglang-router 0.3.2:
-# (policy, concurrency) -> hit rate. kv_aware was not measured on this workload.
-MEASURED: dict[tuple[str, int], float] = {
-    ("round_robin", 1): 0.70,
-    ("round_robin", 4): 0.70,
-    ("cache_aware", 1): 0.79,
-    ("cache_aware", 4): 0.78,
+# The runs measured with real workers behind the real routers, saved by
+# ``python -m minirad.bench replicas --repeats 3 --save`` (README, chapter 10).
+MEASURED_RUNS = {
+    kind: REPO_ROOT / "data" / "recordings" / f"replicas_{kind}.json"
+    for kind in ("minirad", "vllm")
 }
+
+
+def measured_hit_rates() -> dict[tuple[str, str, int], float]:
+    """``{(workers, policy, concurrency): hit rate}`` of the committed runs
+    (:data:`MEASURED_RUNS`), the mean over their rounds; ``cache_aware`` is sglang-router's.
+
+    Raises:
+        InvalidArgumentError: a file is missing or not a saved run list.
+    """
+    from .replicas import load_runs  # replicas imports this module
+
+    rates: dict[tuple[str, str, int], list[float]] = {}
+    for kind, path in MEASURED_RUNS.items():
+        for _, run in load_runs(path):
+            if run.router == "vllm" and run.policy == "cache_aware":
+                continue
+            rates.setdefault((kind, run.policy, run.concurrency), []).append(run.hit_rate)
+    return {k: sum(v) / len(v) for k, v in rates.items()}
+
+
+# vllm-router's credit per cached token, by the memory a worker's KV events name: vLLM's block
+# pool says "GPU" (full credit), our workers say "CPU" (kv_penalty_host).
+KV_CREDIT = {"vllm": 1.0, "minirad": 0.8}
 
 
 @dataclass
@@ -123,7 +150,7 @@ class RoutingResult:
 
 
 def _make_policy(
-    name: str, caches: list[_Lifecycle], seed: int, speculative_ttl: float
+    name: str, caches: list[_Lifecycle], seed: int, kv_credit: float | Sequence[float]
 ) -> RoutingPolicy:
     n = len(caches)
     if name == "round_robin":
@@ -139,7 +166,7 @@ def _make_policy(
         # Read only: a router's event index does not touch the replica's LRU clock.
         return caches[i].cache.cached_prefix_len(key)
 
-    return KVAwarePolicy(n, cached_tokens, caches[0].page_size, speculative_ttl)
+    return KVAwarePolicy(n, cached_tokens, caches[0].page_size, kv_credit)
 
 
 def simulate(
@@ -152,7 +179,7 @@ def simulate(
     *,
     prefill_chunk: int = 512,
     cache_after_prefill: bool = True,
-    speculative_ttl: float = 50.0,
+    kv_credit: float | Sequence[float] = 1.0,
     ramp: float = 0.0,
     seed: int = 0,
 ) -> RoutingResult:
@@ -169,8 +196,8 @@ def simulate(
         cache_after_prefill: insert the prompt's full pages into the tree as soon as it is
             prefilled, as vLLM caches a block once computed (SGLang's
             ``cache_unfinished_req``); False: only when the request finishes.
-        speculative_ttl: ``kv_aware``'s speculative entries live this many decode steps
-            (vllm-router's 2 s, at an assumed ~40 ms a step); 0 turns them off.
+        kv_credit: ``kv_aware``'s credit per cached token, for all replicas or per replica
+            (:data:`KV_CREDIT`: 1.0 for vLLM workers, 0.8 for ours).
         ramp: client ``j`` sends its first request at ``j * ramp`` decode steps; 0: all
             clients start together, a burst whose same-prefix requests all miss.
         seed: seed of ``random`` and ``power_of_two``.
@@ -186,10 +213,8 @@ def simulate(
             raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
     if prefill_chunk <= 0:
         raise InvalidArgumentError(f"prefill_chunk must be > 0, got {prefill_chunk!r}")
-    if ramp < 0 or speculative_ttl < 0:
-        raise InvalidArgumentError(
-            f"ramp and speculative_ttl must be >= 0, got {ramp, speculative_ttl}"
-        )
+    if ramp < 0:
+        raise InvalidArgumentError(f"ramp must be >= 0, got {ramp!r}")
     needs = sorted(
         -(-(len(r.prompt) + len(r.output)) // page_size) * page_size for r in trace.requests
     )
@@ -200,7 +225,7 @@ def simulate(
             f"requests of this trace may hold {need} tokens on one replica"
         )
     caches = [_Lifecycle(trace, capacity, page_size, "lru") for _ in range(replicas)]
-    router = _make_policy(policy, caches, seed, speculative_ttl)
+    router = _make_policy(policy, caches, seed, kv_credit)
     loads, routes = [0] * replicas, []
     requests, prompt, hits = [0] * replicas, [0] * replicas, [0] * replicas
     # (time, request, replica, kind); client j is ready to send its first request at j * ramp.
@@ -213,6 +238,7 @@ def simulate(
             continue
         if kind == "finish":
             caches[k].finish(i)
+            router.finish(k, trace.requests[i].prompt)
             loads[k] -= 1
         if nxt == len(trace.requests):  # this client has nothing left to send
             continue
@@ -303,32 +329,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _calibration_table(seeds: range) -> str:
+def _calibration_table() -> str:
+    """The simulator on the prompts measured behind the real routers (the same token ids, two
+    replicas, clients a step apart), beside the measured hit rates."""
+    from ..tokenizer import load_tokenizer
+    from .replicas import make_prompts, prompts_trace
+
+    tokenizer = load_tokenizer()
+    trace = prompts_trace(tokenizer, make_prompts(tokenizer))
+    measured = measured_hit_rates()
     lines = [
-        "Calibration: issue 14's workload on 2 replicas, block 32 "
-        f"(mean over {len(seeds)} trace seeds; ramp: steps between the clients' starts)",
-        f"{'policy':<13}{'conc':>5}{'ramp':>5}{'sim hit':>9}{'min-max':>11}{'measured':>10}"
+        "Calibration: issue 14's measured workload (40 requests over 4 system prompts of 7 "
+        "blocks of 32) on 2 replicas, clients a step apart, against the runs measured with "
+        "our workers and with vLLM's (mean of 3 rounds)",
+        f"{'policy':<13}{'conc':>5}{'workers':>9}{'sim hit':>9}{'measured':>10}{'points':>8}"
         "  requests/replica",
     ]
     for policy in ("round_robin", "cache_aware", "kv_aware"):
-        for conc, ramp in ((1, 0.0), (4, 0.0), (4, 1.0)):
-            runs = [
-                simulate(calibration_trace(s), policy, 2, 1 << 16, 32, conc, ramp=ramp, seed=s)
-                for s in seeds
-            ]
-            rates = [r.hit_rate for r in runs]
-            measured = MEASURED.get((policy, conc))
-            lines.append(
-                f"{policy:<13}{conc:>5}{ramp:>5.0f}{sum(rates) / len(rates):>9.3f}"
-                f"{f'{min(rates):.2f}-{max(rates):.2f}':>11}"
-                f"{'-' if measured is None else f'{measured:.2f}':>10}  {runs[0].requests}"
-            )
+        for conc in (1, 4, 8):
+            for workers, credit in KV_CREDIT.items():
+                r = simulate(trace, policy, 2, 1 << 16, 32, conc, kv_credit=credit, ramp=1.0)
+                real = measured[workers, policy, conc]
+                lines.append(
+                    f"{policy:<13}{conc:>5}{workers:>9}{r.hit_rate:>9.3f}{real:>10.3f}"
+                    f"{(r.hit_rate - real) * 100:>+8.1f}  {r.requests}"
+                )
     return "\n".join(lines)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``python -m minirad.bench routing``: print the tables, return the exit code."""
-    print(_calibration_table(range(20)))
+    print(_calibration_table())
     if args.calibrate:
         return 0
     base = make_chat_trace(
