@@ -7,7 +7,7 @@ import argparse
 from .errors import RequestError
 from .sampling_params import SamplingParams
 
-__all__ = ["positive_int", "prompt_text", "sampling_arg"]
+__all__ = ["non_negative_float", "positive_int", "prompt_text", "sampling_arg"]
 
 
 def positive_int(text: str) -> int:
@@ -22,6 +22,21 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from e
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """``argparse`` type: a finite float >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, negative or not finite.
+    """
+    try:
+        value = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from e
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 

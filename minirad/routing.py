@@ -39,6 +39,10 @@ __all__ = [
 POLICIES: tuple[str, ...] = ("round_robin", "random", "power_of_two", "cache_aware", "kv_aware")
 
 
+def _is_seq(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str)
+
+
 def _check_count(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
@@ -332,10 +336,15 @@ class KVAwarePolicy(RoutingPolicy):
     ) -> None:
         super().__init__(num_workers)
         self.block_size = _check_count("block_size", block_size)
-        credits = [credit] * num_workers if isinstance(credit, int | float) else list(credit)
-        if len(credits) != num_workers or not all(0.0 <= c <= 1.0 for c in credits):
+
+        def is_credit(c: object) -> bool:
+            return isinstance(c, int | float) and not isinstance(c, bool) and 0.0 <= c <= 1.0
+
+        one = isinstance(credit, int | float) and not isinstance(credit, bool)
+        credits = [credit] * num_workers if one else list(credit) if _is_seq(credit) else []
+        if len(credits) != num_workers or not all(map(is_credit, credits)):
             raise InvalidArgumentError(
-                f"credit must be in [0, 1], one or one per replica, got {credit!r}"
+                f"credit must be a number in [0, 1], or one per replica, got {credit!r}"
             )
         self.cached_tokens = cached_tokens
         self.credits = credits
@@ -343,9 +352,16 @@ class KVAwarePolicy(RoutingPolicy):
         self._ledger: dict[tuple[int, tuple], list[int]] = {}
 
     def new_prefill(self, replica: int, key: Sequence[int]) -> int:
-        """Tokens of ``key`` that ``replica`` would compute: all but its credited prefix."""
+        """Tokens of ``key`` that ``replica`` would compute: all but its credited prefix
+        (whole blocks, at most the whole key).
+
+        Raises:
+            InvalidArgumentError: no such replica.
+        """
+        if not (isinstance(replica, int) and 0 <= replica < self.num_workers):
+            raise InvalidArgumentError(f"no replica {replica!r} of {self.num_workers}")
         bs = self.block_size
-        cached = self.cached_tokens(replica, key) // bs * bs
+        cached = min(self.cached_tokens(replica, key), len(key)) // bs * bs
         return len(key) - int(cached * self.credits[replica])
 
     def _select(self, key: Sequence[Hashable], loads: Sequence[int], now: float = 0.0) -> int:

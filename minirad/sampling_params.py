@@ -89,7 +89,10 @@ class SamplingParams:
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
-                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+                raise GrammarError(
+                    f"json_schema, given as a str, must be the JSON text of a schema object; "
+                    f"it is not valid JSON: {e}"
+                ) from None
         if schema is not None:
             if not isinstance(schema, Mapping):
                 raise GrammarError(f"json_schema must be a JSON object, got {schema!r}")

@@ -28,12 +28,26 @@ ROOT = Path(__file__).resolve().parent.parent
 REASON = missing()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
-# A chapter of graphviz trees, and the visualizer chapter (SVG frames and four players).
-CHAPTERS = ("notebooks/01_radix_tree.ipynb", "notebooks/07_visualizer.ipynb")
+# A chapter of graphviz trees, the visualizer chapter (SVG frames and four players), and the
+# two chapters whose players are filled from KV events (vLLM's recording; several replicas
+# side by side, two players in one output).
+CHAPTERS = (
+    "notebooks/01_radix_tree.ipynb",
+    "notebooks/07_visualizer.ipynb",
+    "notebooks/08_real_engines.ipynb",
+    "notebooks/10_replicas.ipynb",
+)
 IMAGE_TYPES = ("image/svg+xml", "image/png")
 WIDGET = "application/vnd.jupyter.widget-view+json"
 # What JupyterLab prints in place of a picture or a player it does not draw.
-NOT_DRAWN = ("object at 0x", "Digraph at 0x", "SVG object>", "Error displaying widget")
+# "no frames yet": a player whose frames the file did not keep.
+NOT_DRAWN = (
+    "object at 0x",
+    "Digraph at 0x",
+    "SVG object>",
+    "Error displaying widget",
+    "no frames yet",
+)
 
 
 def expected_outputs(notebook: Path) -> list[dict[str, int]]:
@@ -52,7 +66,7 @@ def expected_outputs(notebook: Path) -> list[dict[str, int]]:
 
 
 # Per code cell of the open notebook: its drawn pictures (<img>, or an inline <svg> that is no
-# part of a player), its players, and its output texts.
+# part of a player), its outputs that hold players, and its output texts.
 _SHOWN = """
 () => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell')]
   .map((cell) => {
@@ -60,7 +74,7 @@ _SHOWN = """
     return {
       images: outputs.filter((o) => !o.querySelector('.radix-view') &&
         o.querySelector('img, svg')).length,
-      widgets: cell.querySelectorAll('.radix-view .rv-counter').length,
+      widgets: outputs.filter((o) => o.querySelector('.radix-view .rv-counter')).length,
       text: outputs.map((o) => o.textContent).join('\\n'),
     };
   })
@@ -82,7 +96,8 @@ def open_unrun(page, lab, notebook: str, root: Path) -> list[dict]:
     settled = """(n) => { const cells = document.querySelectorAll(
         '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell');
       return cells.length === n[0] &&
-        document.querySelectorAll('.jp-NotebookPanel .radix-view .rv-counter').length >= n[1]; }"""
+        [...document.querySelectorAll('.jp-NotebookPanel .jp-OutputArea-output')]
+          .filter((o) => o.querySelector('.radix-view .rv-counter')).length >= n[1]; }"""
     total_widgets = sum(c["widgets"] for c in expected)
     try:
         page.wait_for_function(
@@ -132,7 +147,9 @@ def test_committed_pictures_and_players_draw_before_running(trusted_lab, page, n
         # A player restored from the file steps through its saved frames.
         view = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .radix-view").first
         before = view.locator(".rv-counter").text_content()
-        view.locator(".rv-fwd").click()
+        shown, total = before.split(" / ")
+        # A player saved at its last frame steps back; any other steps forward.
+        view.locator(".rv-back" if shown == total else ".rv-fwd").click()
         page.wait_for_function(
             "([el, text]) => el.textContent !== text",
             arg=[view.locator(".rv-counter").element_handle(), before],

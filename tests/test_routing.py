@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -168,7 +169,26 @@ def test_saved_runs_load_back_and_the_fastest_of_each_route_is_kept(tmp_path):
         ("round_robin", 1.0),
         ("cache_aware", 1.0),
     ]
-    (tmp_path / "bad.json").write_text('[{"router": "sglang"}]')
+    row = json.loads(path.read_text())[0]
+    for change, reason in [
+        ({"workers": ["minirad"]}, "1 workers but 2 counter sets"),
+        ({"policy": "kv_aware"}, "no route 'sglang':'kv_aware'"),
+        ({"seconds": 0}, "seconds must be > 0"),
+        ({"concurrency": -3}, "concurrency must be a positive int"),
+        (
+            {"counters": [dict(row["counters"][0], hits="many")] * 2},
+            "every counter must be a number",
+        ),
+        (
+            {"counters": [dict(row["counters"][0], hits=1e9)] * 2},
+            "a worker has more prefix-cache hits",
+        ),
+        ({"router": None}, "no route"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps([row, row | change]))
+        with pytest.raises(InvalidArgumentError, match=f"run 1 is not a saved run: {reason}"):
+            load_runs(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text('{"runs": []}')
     with pytest.raises(InvalidArgumentError, match="not a run list"):
         load_runs(tmp_path / "bad.json")
 
@@ -195,6 +215,8 @@ def test_kv_aware_counts_whole_blocks_and_piles_up_on_a_tie():
     cached = {0: 0, 1: 40, 2: 0}
     policy = KVAwarePolicy(3, lambda i, key: cached[i], block_size=32)
     assert policy.new_prefill(1, list(range(100))) == 68  # 40 cached: one whole block
+    cached[1] = 500  # a cache cannot hold more of a prompt than the prompt
+    assert policy.new_prefill(1, list(range(100))) == 4
     cached[1] = 0
     # Nothing cached, nothing in flight: the first replica, every time one finishes.
     for _ in range(3):
@@ -240,6 +262,11 @@ def test_skew_concentrates_traffic_on_few_prompts():
         lambda: KVAwarePolicy(2, lambda i, key: 0, block_size=0),
         lambda: KVAwarePolicy(2, lambda i, key: 0, credit=1.5),
         lambda: KVAwarePolicy(2, lambda i, key: 0, credit=[1.0]),
+        lambda: KVAwarePolicy(2, lambda i, key: 0, credit=None),
+        lambda: KVAwarePolicy(2, lambda i, key: 0, credit=True),
+        lambda: KVAwarePolicy(2, lambda i, key: 0, credit=[0.5, "a"]),
+        lambda: KVAwarePolicy(2, lambda i, key: 0).new_prefill(2, [1] * 40),
+        lambda: KVAwarePolicy(2, lambda i, key: 0).new_prefill(-1, [1] * 40),
     ],
 )
 def test_bad_arguments_raise_our_error(call):

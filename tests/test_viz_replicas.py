@@ -96,10 +96,22 @@ def test_a_bad_recording_names_its_line(tmp_path):
         path.write_text(f"{head}\n{good}\n{bad}\n")
         with pytest.raises(KVEventError, match=r"bad.jsonl:3:"):
             replay_replicas(path, model_dir=None)
-    for text in ("not json\n", good + "\n"):  # not JSON; no header
+    for text, reason in (("not json\n", ":1: not JSON"), (good + "\n", 'no {"replicas"')):
         path.write_text(text)
-        with pytest.raises(KVEventError, match="replica recording"):
+        with pytest.raises(KVEventError, match=reason):
             replay_replicas(path, model_dir=None)
+    # Lines keep their numbers (blank lines count), and a bad value is named.
+    path.write_text(f"{head}\n\n{good}\n{good.replace('0}', '-5}')}\n")
+    with pytest.raises(KVEventError, match=r"bad.jsonl:4: .*token counts"):
+        replay_replicas(path, model_dir=None)
+    for bad_route in ({"cached_tokens": 9}, {"replica": True}, {"prompt": 3}):
+        line = json.dumps({"route": route | bad_route})
+        path.write_text(f"{head}\n{line}\n")
+        with pytest.raises(KVEventError, match=r"bad.jsonl:2:"):
+            replay_replicas(path, model_dir=None)
+    path.write_text('{"replicas": [1, 2]}\n')
+    with pytest.raises(KVEventError, match=r"bad.jsonl:1: names must be"):
+        replay_replicas(path, model_dir=None)
     path.write_text(f"{head}\n{good}\n")
     with pytest.raises(InvalidArgumentError, match="1 names for 2 replicas"):
         replay_replicas(path, names=["a"], model_dir=None)
@@ -108,8 +120,11 @@ def test_a_bad_recording_names_its_line(tmp_path):
 
 
 def test_misuse_is_a_typed_error():
-    with pytest.raises(InvalidArgumentError, match="at least one replica"):
-        ReplicaCacheView([], model_dir=None)
+    for names in ([], "ab", ["a", 2]):
+        with pytest.raises(InvalidArgumentError, match="names must be a non-empty list"):
+            ReplicaCacheView(names, model_dir=None)
+    with pytest.raises(InvalidArgumentError, match="no model folder"):
+        ReplicaCacheView(["a"], model_dir="/nope")
     view = ReplicaCacheView(["a", "b"], model_dir=None)
     pub = publisher()
     try:

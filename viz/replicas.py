@@ -110,14 +110,17 @@ class ReplicaCacheView(ipywidgets.VBox):
         request: the slider over the routes.
 
     Raises:
-        InvalidArgumentError: no names.
+        InvalidArgumentError: ``names`` is not a non-empty list of str, or ``model_dir``
+            holds no ``config.json``.
     """
 
     def __init__(
         self, names: Sequence[str], model_dir: str | os.PathLike | None = DEFAULT_MODEL_DIR
     ) -> None:
-        if not names:
-            raise InvalidArgumentError("a replica view needs at least one replica")
+        if isinstance(names, str) or not names or not all(isinstance(n, str) for n in names):
+            raise InvalidArgumentError(
+                f"names must be a non-empty list of str, one per replica, got {names!r}"
+            )
         self.names = list(names)
         self.views = [BlockCacheView(model_dir, title=name) for name in self.names]
         self.routes: list[Route] = []
@@ -136,10 +139,14 @@ class ReplicaCacheView(ipywidgets.VBox):
                 f'<b style="color:{_colour(i)}">&#9632;</b> <b>{escape(name)}</b>'
             )
             columns.append(
-                ipywidgets.VBox([heading, view], layout=ipywidgets.Layout(flex="1 1 0", width="0"))
+                # A player needs ~460 px for its toolbar: narrower, the columns wrap (stack).
+                ipywidgets.VBox(
+                    [heading, view], layout=ipywidgets.Layout(flex="1 1 460px", min_width="460px")
+                )
             )
         self._render_table()
-        super().__init__([ipywidgets.HBox(columns), self.request, self._table])
+        row = ipywidgets.HBox(columns, layout=ipywidgets.Layout(flex_flow="row wrap"))
+        super().__init__([row, self.request, self._table])
 
     # ------------------------------------------------------------------ input
     def receive(self, replica: int, item: tuple[int, KVEventBatch] | Notice) -> None:
@@ -163,7 +170,7 @@ class ReplicaCacheView(ipywidgets.VBox):
         Raises:
             InvalidArgumentError: no such replica.
         """
-        self._check_replica(route.replica)
+        self._check_route(route)
         with self._lock:
             frames = tuple(len(v.frames) for v in self.views)
             route = dataclasses.replace(route, frames=frames)
@@ -175,8 +182,19 @@ class ReplicaCacheView(ipywidgets.VBox):
         self._show_request()
 
     def _check_replica(self, replica: object) -> None:
-        if not (isinstance(replica, int) and 0 <= replica < len(self.views)):
+        if not (_is_count(replica) and replica < len(self.views)):
             raise InvalidArgumentError(f"no replica {replica!r}: the view has {len(self.views)}")
+
+    def _check_route(self, route: Route) -> None:
+        self._check_replica(route.replica)
+        if not isinstance(route.prompt, str):
+            raise InvalidArgumentError(f"a route's prompt is a label (str), got {route.prompt!r}")
+        if not (_is_count(route.prompt_tokens) and _is_count(route.cached_tokens)):
+            raise InvalidArgumentError(f"token counts must be ints >= 0, got {route}")
+        if route.cached_tokens > route.prompt_tokens:
+            raise InvalidArgumentError(
+                f"{route.cached_tokens} cached tokens of a {route.prompt_tokens}-token prompt"
+            )
 
     def send(
         self,
@@ -296,12 +314,18 @@ class ReplicaCacheView(ipywidgets.VBox):
         )
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict, dict]:
+        for view in self.views:  # the saved notebook keeps the trees' frames
+            view.store_frames()
         bundle = super()._repr_mimebundle_(**kwargs)
         data, metadata = bundle if isinstance(bundle, tuple) else (bundle, {})
         data["text/plain"] = repr(self)
         if all(v.frames for v in self.views):
             data["image/svg+xml"] = self.svg()
         return data, metadata
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _colour(replica: int) -> str:
@@ -347,21 +371,34 @@ def replay_replicas(
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
-        lines = [json.loads(x) for x in text.splitlines() if x.strip()]
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise KVEventError(f"cannot read a replica recording at {path}: {e}") from e
-    if not (lines and isinstance(lines[0], dict) and isinstance(lines[0].get("replicas"), list)):
+    lines: list[tuple[int, Any]] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        if raw.strip():
+            try:
+                lines.append((lineno, json.loads(raw)))
+            except ValueError as e:
+                raise KVEventError(f"{path}:{lineno}: not JSON: {e}") from e
+    if not lines or not isinstance(lines[0][1], dict) or "replicas" not in lines[0][1]:
         raise KVEventError(f'{path}:1: not a replica recording: no {{"replicas": [...]}} line')
-    recorded = lines.pop(0)["replicas"]
+    recorded = lines.pop(0)[1]["replicas"]
     if names is not None and len(names) != len(recorded):
         raise InvalidArgumentError(f"{len(names)} names for {len(recorded)} replicas in {path}")
-    view = ReplicaCacheView(names or recorded, model_dir)
-    for lineno, d in enumerate(lines, 2):
+    try:
+        view = ReplicaCacheView(names or recorded, model_dir)
+    except InvalidArgumentError as e:
+        raise KVEventError(f"{path}:1: {e}") from e
+    for lineno, d in lines:
         try:
+            if not isinstance(d, dict):
+                raise TypeError(f"a JSON object, got {type(d).__name__}")
             if "route" in d:
                 view.add_route(Route(**{k: v for k, v in d["route"].items() if k != "frames"}))
             else:
                 view.receive(d["replica"], batch_from_json(d))
-        except (KVEventError, InvalidArgumentError, KeyError, TypeError) as e:
+        except KeyError as e:
+            raise KVEventError(f"{path}:{lineno}: not a replica recording line: no {e}") from e
+        except (KVEventError, InvalidArgumentError, AttributeError, TypeError) as e:
             raise KVEventError(f"{path}:{lineno}: not a replica recording line: {e}") from e
     return view

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from minirad.block_events import BlockHashTree
-from minirad.errors import KVEventError
+from minirad.errors import InvalidArgumentError, KVEventError
 from minirad.events import plural
 from minirad.kv_events import (
     AllBlocksCleared,
@@ -61,7 +61,12 @@ def _model_settings(model_dir: str | os.PathLike | None) -> dict[str, Any]:
         return {}
     from minirad.tokenizer import load_tokenizer  # transformers: only when labels are wanted
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"no model folder (a readable config.json) at {model_dir}"
+        ) from e
     text = config.get("text_config", config)
     tokenizer = load_tokenizer(model_dir)
     return {
@@ -80,6 +85,9 @@ class BlockCacheView(RadixView):
             ``image_token_index`` and ``vocab_size``); None: raw ids, images fork by hash only.
         title: the player's title (in its HTML export).
         kwargs: :class:`~viz.widget.RadixView` traits.
+
+    Raises:
+        InvalidArgumentError: ``model_dir`` holds no readable ``config.json``.
 
     Attributes:
         tree: the :class:`~minirad.block_events.BlockHashTree` the frames are drawn from.

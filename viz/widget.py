@@ -237,7 +237,19 @@ class RadixView(anywidget.AnyWidget):
         title = f" {f.title}" if f.title else ""
         return f"RadixView: step {self.step + 1}/{len(self.frames)}{title}, {f.summary()}"
 
+    def store_frames(self) -> None:
+        """Put every frame so far into the synced traits ``_frames`` and ``_labels``: what a
+        saved notebook keeps of the player (frames appended live travel as messages, which
+        the file does not keep). Called on display; does nothing if they are all there."""
+        if len(self._frames) == len(self.frames):
+            return
+        wire = frames_to_wire(self.frames)
+        self._labels_sent = set(frame_labels(self.frames))
+        self.set_trait("_labels", wire["labels"])
+        self.set_trait("_frames", wire["frames"])
+
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict, dict]:
+        self.store_frames()
         bundle = super()._repr_mimebundle_(**kwargs)
         data, metadata = bundle if isinstance(bundle, tuple) else (bundle, {})
         data["text/plain"] = repr(self)

@@ -186,26 +186,52 @@ def load_runs(path: str | Path) -> list[tuple[list[str], RouteRun]]:
     """The runs a ``--save`` wrote: ``(worker kinds, run)`` pairs, in the order they ran.
 
     Raises:
-        InvalidArgumentError: the file is not a saved run list (the message says why).
+        InvalidArgumentError: the file is not a saved run list (the message says which run
+            and why).
     """
     try:
         rows = json.loads(Path(path).read_text(encoding="utf-8"))
-        return [
-            (
-                row["workers"],
-                RouteRun(
-                    row["router"],
-                    row["policy"],
-                    row["concurrency"],
-                    [WorkerCounters(**c) for c in row["counters"]],
-                    row["seconds"],
-                    row.get("simulated"),
-                ),
-            )
-            for row in rows
-        ]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InvalidArgumentError(f"{path} is not a run list of --save: {e!r}") from e
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InvalidArgumentError(f"{path} is not a run list of --save: {e}") from e
+    if not isinstance(rows, list):
+        raise InvalidArgumentError(f"{path} is not a run list of --save: not a JSON list")
+    return [_run_from_json(row, f"{path}, run {i}") for i, row in enumerate(rows)]
+
+
+def _run_from_json(row: object, where: str) -> tuple[list[str], RouteRun]:
+    def number(v: object) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+
+    try:
+        kinds, counters = row["workers"], [WorkerCounters(**c) for c in row["counters"]]
+        run = RouteRun(
+            row["router"],
+            row["policy"],
+            row["concurrency"],
+            counters,
+            row["seconds"],
+            row.get("simulated"),
+        )
+        problem = None
+        if row["router"] not in POLICIES or row["policy"] not in POLICIES[row["router"]]:
+            problem = f"no route {row['router']!r}:{row['policy']!r}"
+        elif not (isinstance(kinds, list) and all(k in WORKER_KINDS for k in kinds)):
+            problem = f"workers must be a list of {WORKER_KINDS}, got {kinds!r}"
+        elif len(kinds) != len(counters):
+            problem = f"{len(kinds)} workers but {len(counters)} counter sets"
+        elif not (isinstance(run.concurrency, int) and run.concurrency > 0):
+            problem = f"concurrency must be a positive int, got {run.concurrency!r}"
+        elif not (number(run.seconds) and run.seconds > 0):
+            problem = f"seconds must be > 0, got {run.seconds!r}"
+        elif not all(number(getattr(c, f)) for c in counters for f in c.__dataclass_fields__):
+            problem = "every counter must be a number >= 0"
+        elif any(c.hits > c.queries for c in counters):
+            problem = "a worker has more prefix-cache hits than queries"
+    except (KeyError, TypeError, AttributeError) as e:
+        problem = f"missing or malformed field: {e!r}"
+    if problem is not None:
+        raise InvalidArgumentError(f"{where} is not a saved run: {problem}")
+    return kinds, run
 
 
 def _reset(worker: ServerProcess, timeout_s: float = 30.0) -> None:

@@ -34,7 +34,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..argtypes import positive_int
+from ..argtypes import non_negative_float, positive_int
 from ..errors import InvalidArgumentError
 from ..routing import (
     POLICIES,
@@ -309,23 +309,45 @@ def skewed(trace: ChatTrace, skew: float, seed: int = 0) -> ChatTrace:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m minirad.bench routing``."""
-    parser.add_argument("--replicas", type=positive_int, nargs="+", default=[2, 8, 64])
-    parser.add_argument("--skew", type=float, nargs="+", default=[0.0, 1.5])
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    parser.add_argument("--concurrency", type=positive_int, default=16)
-    parser.add_argument("--conversations", type=positive_int, default=200)
-    parser.add_argument("--turns", type=positive_int, default=3)
-    parser.add_argument("--system-prompts", type=positive_int, default=16)
+    parser.add_argument(
+        "--replicas", type=positive_int, nargs="+", default=[2, 8, 64], help="replica counts"
+    )
+    parser.add_argument(
+        "--skew",
+        type=non_negative_float,
+        nargs="+",
+        default=[0.0, 1.5],
+        help="Zipf skew of the system prompts' traffic (0: uniform)",
+    )
+    parser.add_argument(
+        "--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="router policies"
+    )
+    parser.add_argument(
+        "--concurrency", type=positive_int, default=16, help="client requests in flight"
+    )
+    parser.add_argument(
+        "--conversations", type=positive_int, default=200, help="chat conversations of the trace"
+    )
+    parser.add_argument("--turns", type=positive_int, default=3, help="turns per conversation")
+    parser.add_argument(
+        "--system-prompts", type=positive_int, default=16, help="distinct system prompts"
+    )
     parser.add_argument(
         "--capacity", type=positive_int, default=65536, help="KV pool per replica, tokens"
     )
-    parser.add_argument("--page-size", type=positive_int, default=32)
+    parser.add_argument("--page-size", type=positive_int, default=32, help="tokens per page")
     parser.add_argument(
-        "--ramp", type=float, default=1.0, help="decode steps between the clients' starts"
+        "--ramp",
+        type=non_negative_float,
+        default=1.0,
+        help="decode steps between the clients' starts",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the trace's seed")
     parser.add_argument(
-        "--calibrate", action="store_true", help="only the issue-14 two-replica calibration"
+        "--calibrate",
+        action="store_true",
+        help="only the calibration against the measured two-replica runs (the other options "
+        "do not apply to it)",
     )
 
 

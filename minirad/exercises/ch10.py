@@ -285,7 +285,7 @@ def _check_q3(answer: object) -> str | None:
     )
 
 
-Q3_SOLUTION = """\\
+Q3_SOLUTION = """\
 from minirad.routing import KVAwarePolicy
 
 cached = [224, 0]  # prompt tokens each replica's cache holds (7 blocks of 32 on replica 0)
