@@ -228,11 +228,13 @@ def simulate(
     router = _make_policy(policy, caches, seed, kv_credit)
     loads, routes = [0] * replicas, []
     requests, prompt, hits = [0] * replicas, [0] * replicas, [0] * replicas
-    # (time, request, replica, kind); client j is ready to send its first request at j * ramp.
-    events = [(j * ramp, -1, -1, "ready") for j in range(concurrency)]
+    # (time, rank, request, replica, kind); client j is ready to send its first request at
+    # j * ramp. At equal times a prefill completes before a request finishes, and both before
+    # a client sends: a request sent at the instant a prefill ends finds its blocks cached.
+    events = [(j * ramp, _RANK["ready"], -1, -1, "ready") for j in range(concurrency)]
     now, nxt = 0.0, 0
     while events:
-        now, i, k, kind = heapq.heappop(events)
+        now, _, i, k, kind = heapq.heappop(events)
         if kind == "prefilled":
             _cache_prompt(caches[k], i)
             continue
@@ -254,10 +256,13 @@ def simulate(
         hits[k] += hit
         prefill = (len(r.prompt) - hit) / prefill_chunk
         if cache_after_prefill:
-            heapq.heappush(events, (now + prefill, nxt, k, "prefilled"))
-        heapq.heappush(events, (now + prefill + len(r.output), nxt, k, "finish"))
+            heapq.heappush(events, (now + prefill, _RANK["prefilled"], nxt, k, "prefilled"))
+        heapq.heappush(events, (now + prefill + len(r.output), _RANK["finish"], nxt, k, "finish"))
         nxt += 1
     return RoutingResult(policy, replicas, concurrency, requests, prompt, hits, now, routes)
+
+
+_RANK = {"prefilled": 0, "finish": 1, "ready": 2}  # the order of simultaneous events
 
 
 def _cache_prompt(ops: _Lifecycle, i: int) -> None:
