@@ -168,7 +168,8 @@ class ReplicaCacheView(ipywidgets.VBox):
         count now.
 
         Raises:
-            InvalidArgumentError: no such replica.
+            InvalidArgumentError: no such replica, a prompt label that is not a str, or token
+                counts that are not ints >= 0 with at most the prompt's tokens cached.
         """
         self._check_route(route)
         with self._lock:
