@@ -39,6 +39,9 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
 - ``usage`` (in every answer, and in a stream's last chunk with ``include_usage``) has
   ``prompt_tokens_details.cached_tokens``: the prompt tokens the radix tree held for this
   request at its admission (:class:`~minirad.engine.RequestStats`).
+- ``POST /tokenize`` (``prompt`` or chat ``messages``: ``{"count", "max_model_len",
+  "tokens"}``, the ids a completion would be computed from, each image expanded to its
+  placeholders) and ``POST /detokenize`` (``tokens``: ``{"prompt"}``), vLLM's.
 - ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine thread has failed),
   ``GET /metrics``: Prometheus text with vLLM 0.32's names (``vllm/v1/metrics/loggers.py``)
   and labels ``model_name``, ``engine``: ``vllm:prefix_cache_queries_total`` /
@@ -284,6 +287,23 @@ class CompletionRequest(_SamplingFields):
             raise RequestError("logprobs are not supported")
 
 
+class TokenizeRequest(_Model):
+    """The body of ``POST /tokenize``: a ``prompt`` (text or token ids, as for completions) or
+    chat ``messages`` (rendered by the chat template with the assistant header, as for chat
+    completions), not both."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(_Model):
+    """The body of ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
     """OpenAI's (and vLLM's) error body."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -419,6 +439,23 @@ class AsyncLLMEngine:
         """Abort request ``rid`` (thread-safe; nothing happens if it has finished)."""
         self._inbox.put(("abort", rid))
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (only that thread
+        touches the engine); returns what it returned.
+
+        Raises:
+            Exception: what ``fn`` raised.
+            EngineDeadError: the engine thread has stopped.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        channel = _Channel(asyncio.get_running_loop())
+        self._inbox.put(("call", fn, channel))
+        reply = await channel.queue.get()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
     async def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache between two steps (vLLM's ``POST /reset_prefix_cache``).
         Returns False, and changes nothing, while requests are in flight.
@@ -426,14 +463,14 @@ class AsyncLLMEngine:
         Raises:
             EngineDeadError: the engine thread has stopped.
         """
-        if self.error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        channel = _Channel(asyncio.get_running_loop())
-        self._inbox.put(("reset", channel))
-        reply = await channel.queue.get()
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
+
+        def reset(engine: LLMEngine) -> bool:
+            idle = not engine.has_unfinished_requests()
+            if idle:
+                engine.reset_prefix_cache()
+            return idle
+
+        return await self.call(reset)
 
     # -------------------------------------------------------------- on the engine thread
     def _run(self) -> None:
@@ -486,11 +523,12 @@ class AsyncLLMEngine:
                 return
             self._channels[request.rid] = channel
             replies.append((channel, request.rid))
-        elif kind == "reset":
-            idle = not self.engine.has_unfinished_requests()
-            if idle:
-                self.engine.reset_prefix_cache()
-            replies.append((args[0], idle))
+        elif kind == "call":
+            fn, channel = args
+            try:
+                replies.append((channel, fn(self.engine)))
+            except Exception as e:  # the handler raises it
+                replies.append((channel, e))
         elif self._channels.pop(args[0], None) is not None:  # "abort" of an unfinished request
             out = self.engine.abort_request(args[0])
             if out is not None:
@@ -523,7 +561,7 @@ class AsyncLLMEngine:
             channel.put(self.error)
         self._channels.clear()
         while (command := self._inbox.get()) is not None:
-            if command[0] in ("add", "reset"):  # the ones whose handler awaits a reply
+            if command[0] in ("add", "call"):  # the ones whose handler awaits a reply
                 command[-1].put(self.error)
 
 
@@ -903,6 +941,30 @@ def build_app(
             return head | {"object": "chat.completion.chunk", "choices": [choice]}
 
         return await respond(raw, stream, body, final, delta)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("give a prompt or messages, one of the two")
+        prompt, images = body.prompt, []
+        if body.messages is not None:
+            messages, images = await asyncio.to_thread(_chat_messages, body.messages, allowed_root)
+            prompt = chat_template(engine.processor, messages)
+        # The ids a completion of the same prompt is computed from (images expanded).
+        ids = await async_engine.call(
+            lambda e: e.input_processor.process(prompt, images).prompt_token_ids
+        )
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+
+        def decode(e: LLMEngine) -> str:
+            return e.tokenizer.decode(e.input_processor.process(body.tokens).prompt_token_ids)
+
+        return {"prompt": await async_engine.call(decode)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

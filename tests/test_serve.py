@@ -221,6 +221,36 @@ def test_completions_with_token_ids_and_text(client, reference):
     assert "".join(c.choices[0].text for c in stream) == want.text
 
 
+def test_tokenize_gives_the_ids_a_completion_is_computed_from(url, client, reference):
+    """vLLM's /tokenize and /detokenize: the ids of a text prompt are the tokenizer's, those
+    of chat messages with an image have the image's placeholders expanded, and both counts
+    are the prompt_tokens of the completion of the same prompt."""
+    prompt = chat_prompt(reference.processor, "What is red?", 0)
+    ids = reference.processor.tokenizer(prompt)["input_ids"]
+    got = httpx.post(f"{url}/tokenize", json={"model": NAME, "prompt": prompt}).json()
+    assert got == {"count": len(ids), "max_model_len": reference.max_model_len, "tokens": ids}
+    back = httpx.post(f"{url}/detokenize", json={"model": NAME, "tokens": ids}).json()
+    assert back == {"prompt": prompt}
+    messages = user_turn("What colour is the square?", str(SQUARE))
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    answer = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=1, temperature=0
+    )
+    assert chat["count"] == answer.usage.prompt_tokens == len(chat["tokens"])
+    image_id = reference.vlm.image_token_id
+    assert chat["tokens"].count(image_id) == 64  # the image's placeholders, expanded
+    for body, status, words in [
+        ({"prompt": prompt, "messages": messages}, 400, "a prompt or messages"),
+        ({}, 400, "a prompt or messages"),
+        ({"prompt": [1, 10**6]}, 400, "token ids must be in"),
+        ({"prompt": prompt, "model": "other"}, 404, "does not exist"),
+    ]:
+        r = httpx.post(f"{url}/tokenize", json=body)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/detokenize", json={"tokens": [-1]})
+    assert r.status_code == 400 and "token ids must be in" in r.json()["error"]["message"]
+
+
 def test_cached_tokens_of_a_repeated_prompt_are_the_engines(client, reference):
     question = "Is the square orange? Answer in one word."
     ask = dict(model=NAME, messages=user_turn(question, str(SQUARE)), max_tokens=4, temperature=0)
