@@ -18,6 +18,7 @@ from minirad.bench.replicas import (
 )
 from minirad.bench.routing import (
     KV_CREDIT,
+    MEASURED_RUNS,
     calibration_trace,
     measured_hit_rates,
     simulate,
@@ -137,20 +138,35 @@ def test_cache_aware_balances_when_imbalanced():
     assert policy.tree.prefix_match(key) == (50, 2)  # its tree now points there
 
 
-def test_the_simulator_agrees_with_the_real_routers_within_one_miss():
+def test_the_simulator_agrees_with_the_real_routers_within_two_points():
     """The measured prompts, simulated, against every hit rate measured behind the real
-    routers with our workers and with vLLM's (data/recordings/replicas_*.json): within one
-    system prompt's blocks missed (224 tokens of 40 prompts, 2.2 points)."""
+    routers with our workers and with vLLM's (data/recordings/replicas_*.json): within 2
+    points (issue 14's acceptance), and cache_aware splits the requests as every real round
+    did."""
+    from minirad.bench.replicas import load_runs
     from minirad.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     trace = prompts_trace(tokenizer, make_prompts(tokenizer))
-    one_miss = 224 / sum(len(r.prompt) for r in trace.requests)
     measured = measured_hit_rates()
     assert {p for _, p, _ in measured} == {"round_robin", "cache_aware", "kv_aware"}
     for (workers, policy, conc), real in measured.items():
         sim = simulate(trace, policy, 2, BIG, 32, conc, kv_credit=KV_CREDIT[workers], ramp=1.0)
-        assert abs(sim.hit_rate - real) <= one_miss + 1e-9, (workers, policy, conc)
+        assert abs(sim.hit_rate - real) <= 0.02, (workers, policy, conc, sim.hit_rate, real)
+    for path in MEASURED_RUNS.values():
+        for _, run in load_runs(path):
+            if (run.router, run.policy) == ("sglang", "cache_aware"):
+                sim = simulate(trace, "cache_aware", 2, BIG, 32, run.concurrency, ramp=1.0)
+                assert sorted(sim.requests) == sorted(run.requests), (path, run.concurrency)
+
+
+def test_a_request_sent_during_a_prefill_waits_for_it_and_hits():
+    # One system prompt; the second client sends 0.1 step into the first request's prefill
+    # pass. The engine admits it when that pass ends, with the system prompt's 7 blocks cached.
+    trace = skewed(calibration_trace(), 50.0)
+    trace = dataclasses.replace(trace, requests=trace.requests[:2])
+    r = simulate(trace, "round_robin", 1, BIG, concurrency=2, ramp=0.1)
+    assert r.saved_tokens == 224
 
 
 def test_saved_runs_load_back_and_the_fastest_of_each_route_is_kept(tmp_path):

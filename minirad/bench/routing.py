@@ -4,13 +4,19 @@ behind a router policy (:mod:`minirad.routing`), on the chat trace of :mod:`.tra
 Each replica drives its cache as :mod:`.radix` does (``_Lifecycle``: match and lock at
 start, evict when the pool is short, insert at finish). Clients: ``concurrency`` requests in
 flight; requests go out in the trace's arrival order, the next one as soon as one finishes
-(closed loop). Service time, in decode steps: ``1 / prefill_chunk`` step per uncached prompt
-token, then ``len(output)``, so a replica that misses is busy longer; the prompt's full
-pages are cached once prefilled (``cache_after_prefill``), as vLLM does. A request
-is counted in its replica's load (what the router's policies read) from dispatch to finish.
-Every request runs at once on its replica (no queue inside a replica). A conversation's next
-turn can go out before its previous turn finished when ``concurrency > 1``; it then misses
-that turn's output, as a client that does not wait would.
+(closed loop). A request is counted in its replica's load (what the router's policies read)
+from dispatch to finish.
+
+Each replica is an engine loop of forward passes, back to back while it has work, as vLLM's
+and ours run: a pass admits every request that arrived before it began (their prefix is
+matched then), prefills their uncached tokens, and samples one token for each running request;
+it lasts ``1 + prefilled tokens / prefill_chunk`` decode steps, so a replica that misses is
+slower for everyone on it. The prompt's full pages are cached when its prefill pass ends
+(``cache_after_prefill``), as vLLM caches a block once computed. A request that arrives while
+a pass runs waits for it to end: one sent during another's prefill of the same system prompt
+hits it, one admitted with it in the same pass misses it too. A conversation's next turn can
+go out before its previous turn finished when ``concurrency > 1``; it then misses that turn's
+output, as a client that does not wait would.
 
 Hit rate: cached prompt tokens / prompt tokens (vLLM's ``prefix_cache_hits_total /
 prefix_cache_queries_total``). Load imbalance: max / mean over replicas of requests (and of
@@ -19,9 +25,12 @@ prompt tokens); 1.0 is perfectly even.
 Calibration (``--calibrate``): the two-replica workload measured in issue 14 behind the real
 routers (40 requests over 4 system prompts of 224 tokens, 7 blocks of 32, short user tails,
 4 new tokens; ``python -m minirad.bench replicas``), with our workers and with vLLM's. The
-simulation agrees once the clients start a decode step apart (``ramp``); started together,
-the same-prefix requests of the first burst all miss, which costs 2 to 4 points here (one
-miss is about 2 points of this 40-request workload). ``kv_aware`` depends on the memory the
+simulation agrees within a point, and splits ``cache_aware``'s requests as the real runs did,
+once the clients start a decode step apart (``ramp``), as the benchmark's clients start one
+after another. Started together, the same-prefix requests of the first burst share one pass
+and all miss, which costs 4 to 13 points here (one miss is about 2 points of this 40-request
+workload); ``kv_aware``, which prices the prefill in flight, is the most sensitive to the
+stagger (half a step or two steps: up to 6.5 points off). ``kv_aware`` depends on the memory the
 workers' events name (``kv_credit``): vllm-router credits vLLM's ``"GPU"`` blocks in full and
 our ``"CPU"`` blocks at 0.8, so the same routing on the same prompts scores differently.
 """
@@ -32,7 +41,7 @@ import argparse
 import heapq
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..argtypes import non_negative_float, positive_int
 from ..errors import InvalidArgumentError
@@ -192,14 +201,15 @@ def simulate(
         capacity: KV pool per replica, in tokens (a multiple of ``page_size``).
         page_size: tokens per page (vLLM's block size).
         concurrency: client requests in flight.
-        prefill_chunk: uncached prompt tokens prefilled per decode step (service time).
+        prefill_chunk: uncached prompt tokens that cost one decode step of a pass's time.
         cache_after_prefill: insert the prompt's full pages into the tree as soon as it is
             prefilled, as vLLM caches a block once computed (SGLang's
             ``cache_unfinished_req``); False: only when the request finishes.
         kv_credit: ``kv_aware``'s credit per cached token, for all replicas or per replica
             (:data:`KV_CREDIT`: 1.0 for vLLM workers, 0.8 for ours).
         ramp: client ``j`` sends its first request at ``j * ramp`` decode steps; 0: all
-            clients start together, a burst whose same-prefix requests all miss.
+            clients start together, a burst that shares one pass, whose same-prefix
+            requests all miss.
         seed: seed of ``random`` and ``power_of_two``.
 
     Raises:
@@ -224,45 +234,88 @@ def simulate(
             f"capacity {capacity} tokens per replica is too small: {concurrency} running "
             f"requests of this trace may hold {need} tokens on one replica"
         )
-    caches = [_Lifecycle(trace, capacity, page_size, "lru") for _ in range(replicas)]
-    router = _make_policy(policy, caches, seed, kv_credit)
+    reps = [_Replica(_Lifecycle(trace, capacity, page_size, "lru")) for _ in range(replicas)]
+    router = _make_policy(policy, [rep.ops for rep in reps], seed, kv_credit)
     loads, routes = [0] * replicas, []
     requests, prompt, hits = [0] * replicas, [0] * replicas, [0] * replicas
-    # (time, rank, request, replica, kind); client j is ready to send its first request at
-    # j * ramp. At equal times a prefill completes before a request finishes, and both before
-    # a client sends: a request sent at the instant a prefill ends finds its blocks cached.
-    events = [(j * ramp, _RANK["ready"], -1, -1, "ready") for j in range(concurrency)]
+    # (time, rank, replica or client, kind): at equal times a pass ends before a client sends,
+    # and a pass starts last, so it takes every request that arrived at that instant.
+    events = [(j * ramp, _RANK["ready"], j, "ready") for j in range(concurrency)]
     now, nxt = 0.0, 0
-    while events:
-        now, _, i, k, kind = heapq.heappop(events)
-        if kind == "prefilled":
-            _cache_prompt(caches[k], i)
-            continue
-        if kind == "finish":
-            caches[k].finish(i)
-            router.finish(k, trace.requests[i].prompt)
-            loads[k] -= 1
-        if nxt == len(trace.requests):  # this client has nothing left to send
-            continue
+
+    def send() -> None:  # a client sends the next request of the trace
+        nonlocal nxt
+        if nxt == len(trace.requests):
+            return
         r = trace.requests[nxt]
         k = router.select(r.prompt, loads, now)
         routes.append(k)
-        before = caches[k].hits
-        caches[k].start(nxt)
-        hit = caches[k].hits - before
         loads[k] += 1
         requests[k] += 1
         prompt[k] += len(r.prompt)
-        hits[k] += hit
-        prefill = (len(r.prompt) - hit) / prefill_chunk
-        if cache_after_prefill:
-            heapq.heappush(events, (now + prefill, _RANK["prefilled"], nxt, k, "prefilled"))
-        heapq.heappush(events, (now + prefill + len(r.output), _RANK["finish"], nxt, k, "finish"))
+        reps[k].waiting.append(nxt)
         nxt += 1
+        if not reps[k].busy:
+            reps[k].busy = True
+            heapq.heappush(events, (now, _RANK["start"], k, "start"))
+
+    def start_pass(k: int) -> None:  # admit what waits, prefill it, decode the rest
+        rep, new_tokens = reps[k], 0
+        rep.prefilling, rep.waiting = rep.waiting, []
+        for i in rep.prefilling:
+            before = rep.ops.hits
+            rep.ops.start(i)
+            hit = rep.ops.hits - before
+            hits[k] += hit
+            new_tokens += len(trace.requests[i].prompt) - hit
+            rep.left[i] = max(1, len(trace.requests[i].output))
+        heapq.heappush(events, (now + 1 + new_tokens / prefill_chunk, _RANK["end"], k, "end"))
+
+    while events:
+        now, _, k, kind = heapq.heappop(events)
+        if kind == "ready":
+            send()
+        elif kind == "start":
+            start_pass(k)
+        else:
+            rep = reps[k]
+            if cache_after_prefill:
+                for i in rep.prefilling:
+                    _cache_prompt(rep.ops, i)
+            done = []
+            for i in list(rep.left):  # every running request sampled one token
+                rep.left[i] -= 1
+                if rep.left[i] == 0:
+                    del rep.left[i]
+                    done.append(i)
+            for i in done:
+                rep.ops.finish(i)
+                router.finish(k, trace.requests[i].prompt)
+                loads[k] -= 1
+            # The engine loop goes on at once: a request its clients send now waits a pass.
+            if rep.left or rep.waiting:
+                start_pass(k)
+            else:
+                rep.busy = False
+            for _ in done:
+                send()
     return RoutingResult(policy, replicas, concurrency, requests, prompt, hits, now, routes)
 
 
-_RANK = {"prefilled": 0, "finish": 1, "ready": 2}  # the order of simultaneous events
+_RANK = {"end": 0, "ready": 1, "start": 2}  # the order of simultaneous events
+
+
+@dataclass
+class _Replica:
+    """One simulated engine: its cache, the requests sent to it and not yet admitted, the
+    running ones with their output tokens left to sample, and those the current pass
+    prefills."""
+
+    ops: _Lifecycle
+    waiting: list[int] = field(default_factory=list)
+    left: dict[int, int] = field(default_factory=dict)
+    prefilling: list[int] = field(default_factory=list)
+    busy: bool = False  # a forward pass runs or is about to start
 
 
 def _cache_prompt(ops: _Lifecycle, i: int) -> None:
