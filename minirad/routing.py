@@ -229,8 +229,8 @@ class CacheAwarePolicy(RoutingPolicy):
        ``max(loads) > balance_rel_threshold * min(loads)``: the least-loaded replica.
     2. Else the tree's longest prefix match: its replica if ``matched / len(key) >
        cache_threshold``, else the least-loaded replica (older SGLang versions took the
-       replica with the smallest tree, ``get_smallest_tenant``; the router measured in
-       issue 14 behaves as the least-loaded rule predicts). At load 0 that is replica 0,
+       replica with the smallest tree, ``get_smallest_tenant``; sglang-router 0.3.2, as
+       measured here, behaves as the least-loaded rule predicts). At load 0 that is replica 0,
        so under light traffic every poorly matched prefix, and then everything that
        matches it, lands on replica 0.
 
@@ -309,9 +309,9 @@ class KVAwarePolicy(RoutingPolicy):
     replica that holds its prompt when that replica's queue of uncomputed prompt tokens is
     longer than what the prefix saves. (Versions before 0.1.17 took the longest prefix
     whatever the load, ``src/policies/kv_aware.rs``; this one measured as modelled here, within
-    a point, on issue 14's two-replica runs.) Unlike :class:`CacheAwarePolicy` it sees
-    evictions and requests that bypassed the router. Here ``cached_tokens`` reads the
-    replicas' trees directly: an event stream with no delay.
+    a point, on the two-replica runs of ``minirad.bench.replicas``.) Unlike
+    :class:`CacheAwarePolicy` it sees evictions and requests that bypassed the router.
+    Here ``cached_tokens`` reads the replicas' trees directly: an event stream with no delay.
 
     Args:
         num_workers: replicas.

@@ -21,11 +21,11 @@ concurrency runs N times, the rounds alternated (the machine is shared and noisy
 final table keeps each one's fastest run; ``--save FILE`` writes every run as JSON (what
 chapter 10's table reads).
 
-The workload is issue 14's measured one, in text: 40 one-turn requests, each a random one of 4
-system prompts of about 224 tokens (7 blocks of 32) and a user tail of about 24 tokens, 4 new
-tokens each (``ignore_eos``, greedy). The best any router can do is one miss per system prompt.
-sglang-router gets text prompts (it refuses token ids); vllm-router gets the same prompts as
-token ids (its kv_aware policy takes nothing else).
+The workload is the one first measured with vLLM workers, in text: 40 one-turn requests,
+each a random one of 4 system prompts of about 224 tokens (7 blocks of 32) and a user tail of
+about 24 tokens, 4 new tokens each (``ignore_eos``, greedy). The best any router can do is one
+miss per system prompt. sglang-router gets text prompts (it refuses token ids); vllm-router
+gets the same prompts as token ids (its kv_aware policy takes nothing else).
 """
 
 from __future__ import annotations
@@ -391,8 +391,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 policy = route.partition(":")[2]
                 for c in args.concurrency:
                     run = run_route(workers, route, prompts, c)
-                    # The clients start one after another here, as ramp 1 does (issue 14's
-                    # check).
+                    # The clients start one after another here, as ramp 1 does (the
+                    # calibration's check).
                     if policy in SIMULATED:
                         sim = simulate(
                             trace, policy, len(workers), 1 << 16, 32, c, kv_credit=credit, ramp=1.0

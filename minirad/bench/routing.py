@@ -22,7 +22,7 @@ Hit rate: cached prompt tokens / prompt tokens (vLLM's ``prefix_cache_hits_total
 prefix_cache_queries_total``). Load imbalance: max / mean over replicas of requests (and of
 prompt tokens); 1.0 is perfectly even.
 
-Calibration (``--calibrate``): the two-replica workload measured in issue 14 behind the real
+Calibration (``--calibrate``): the two-replica workload measured behind the real
 routers (40 requests over 4 system prompts of 224 tokens, 7 blocks of 32, short user tails,
 4 new tokens; ``python -m minirad.bench replicas``), with our workers and with vLLM's. The
 simulation agrees within a point, and splits ``cache_aware``'s requests as the real runs did,
@@ -419,9 +419,9 @@ def _calibration_table() -> str:
     trace = prompts_trace(tokenizer, make_prompts(tokenizer))
     measured = measured_hit_rates()
     lines = [
-        "Calibration: issue 14's measured workload (40 requests over 4 system prompts of 7 "
-        "blocks of 32) on 2 replicas, clients a step apart, against the runs measured with "
-        "our workers and with vLLM's (mean of 3 rounds)",
+        "Calibration: the two-replica workload measured behind the real routers (40 requests "
+        "over 4 system prompts of 7 blocks of 32) on 2 replicas, clients a step apart, against "
+        "the runs measured with our workers and with vLLM's (mean of 3 rounds)",
         f"{'policy':<13}{'conc':>5}{'workers':>9}{'sim hit':>9}{'measured':>10}{'points':>8}"
         "  requests/replica",
     ]

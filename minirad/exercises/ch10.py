@@ -75,8 +75,8 @@ Q3_CACHED = (7 * Q3_BLOCK_SIZE, 0)
 Q3_REQUESTS = 10
 Q3_CREDIT = 1.0
 
-# q4: issue 14's measured workload (40 requests over 4 system prompts of 7 blocks) on
-# Q4_REPLICAS replicas, one client, pages of 32.
+# q4: the two-replica workload measured behind the real routers (40 requests over 4 system
+# prompts of 7 blocks) on Q4_REPLICAS replicas, one client, pages of 32.
 Q4_REPLICAS = 8
 Q4_TRACE_SEED = 0
 
