@@ -34,6 +34,13 @@ class SamplingParams:
         stop_token_ids: stop after generating one of these (the stop token is kept in the
             output ids, as HF ``generate`` does). None: the model's EOS
             (``generation_config.eos_token_id``); ``()``: never stop on a token.
+        stop: stop when the output text contains one of these strings (vLLM's ``stop``). The
+            text is cut before it (``include_stop_str_in_output``: after it); the token ids
+            keep every sampled token. The engine checks after each step, on the decoded text,
+            so a string that a step's tokens complete ends the request in that step; streamed
+            text holds back its last ``max(len(s)) - 1`` characters until it cannot start a
+            stop string. A str is one stop string.
+        include_stop_str_in_output: keep the stop string at the end of the text.
         json_schema: constrain the output to JSON valid against this schema (a dict, or its
             JSON text), written compactly (:data:`minirad.grammar.JSON_DEFAULTS`).
         regex: constrain the output to a full match of this regular expression (Rust
@@ -46,7 +53,8 @@ class SamplingParams:
             request stops when the grammar is complete.
 
     Raises:
-        RequestError: a parameter is out of range.
+        RequestError: a parameter is out of range, or ``stop`` is not a list of non-empty
+            strings.
         GrammarError: more than one constraint, a schema that is not a JSON object, an empty
             regex, or an empty or non-string choice list.
     """
@@ -57,6 +65,8 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 16
     stop_token_ids: Sequence[int] | None = None
+    stop: str | Sequence[str] | None = None
+    include_stop_str_in_output: bool = False
     json_schema: Mapping[str, Any] | str | None = None
     regex: str | None = None
     choice: Sequence[str] | None = None
@@ -78,6 +88,13 @@ class SamplingParams:
             if not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise RequestError(f"stop_token_ids must be ints >= 0, got {ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)
+        if self.stop is not None:
+            stops = (self.stop,) if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, list | tuple) or not all(
+                isinstance(x, str) and x for x in stops
+            ):
+                raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            object.__setattr__(self, "stop", tuple(stops))
         self._check_constraint()
 
     def _check_constraint(self) -> None:

@@ -27,14 +27,16 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
 - ``POST /v1/completions``: ``prompt`` as text (sent as written, no chat template) or one list
   of token ids.
 - Both: ``max_tokens`` (chat: also ``max_completion_tokens``; default: until the context is
-  full, completions: 16), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``
-  (stop on these as well as EOS), ``ignore_eos``, ``stream`` with ``stream_options.
+  full, completions: 16), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings:
+  the text ends before the first, or after it with ``include_stop_str_in_output``; a stream
+  holds back what could be the start of one), ``stop_token_ids`` (stop on these as well as
+  EOS), ``ignore_eos``, ``stream`` with ``stream_options.
   include_usage``, structured output as ``response_format`` (``json_schema``, ``json_object``),
   ``structured_outputs`` (``json``, ``regex``, ``choice``, ``json_object``) or the older
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` (one constraint per request). Unset
   sampling fields take the model's ``generation_config`` values, else OpenAI's defaults
   (temperature 1, as vLLM does): send ``"temperature": 0`` for greedy answers.
-  Refused with a 400: ``n`` > 1, ``stop`` strings, ``logprobs``, ``echo``. Other fields are
+  Refused with a 400: ``n`` > 1, ``logprobs``, ``echo``. Other fields are
   ignored, as vLLM ignores fields it does not know.
 - ``usage`` (in every answer, and in a stream's last chunk with ``include_usage``) has
   ``prompt_tokens_details.cached_tokens``: the prompt tokens the radix tree held for this
@@ -182,6 +184,7 @@ class _SamplingFields(_Model):
     ignore_eos: bool = False
     n: int = 1
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -194,8 +197,6 @@ class _SamplingFields(_Model):
         """Raises RequestError for a field whose meaning the engine cannot honour."""
         if self.n != 1:
             raise RequestError(f"n must be 1 (one choice per request), got {self.n}")
-        if self.stop:
-            raise RequestError("stop strings are not supported; stop on tokens: stop_token_ids")
 
     def sampling_params(
         self, max_tokens: int, defaults: Mapping[str, Any], eos: Sequence[int]
@@ -226,6 +227,8 @@ class _SamplingFields(_Model):
             seed=self.seed,
             max_new_tokens=max_tokens,
             stop_token_ids=stop,
+            stop=self.stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             **self._constraint(),
         )
 

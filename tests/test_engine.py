@@ -382,6 +382,71 @@ def test_stop_tokens_and_context_limit(llava):
     assert_idle(short)
 
 
+def first_token_completing(stop: str, token_ids: list[int]) -> int:
+    """How many of ``token_ids`` the text needs before it contains ``stop``."""
+    return next(k for k in range(1, len(token_ids) + 1) if stop in words(token_ids[:k]))
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_the_text_and_end_the_request(llava, include):
+    """vLLM's ``stop``: the step whose token completes the string ends the request ("stop"),
+    that token kept; the text ends before the string (after it with
+    ``include_stop_str_in_output``), and no streamed piece shows what comes after the cut."""
+    model, processor = llava
+    text, images = CASES[0]
+    engine = LLMEngine(model, processor)
+    (ref,) = engine.generate([GenerateRequest(text, images, SamplingParams(max_new_tokens=8))])
+    # A string across the 3rd and 4th generated words ("...1 w4..."), so no single token
+    # holds it; the earliest place it occurs in the text is where the request must stop.
+    stop = f"{words(ref.token_ids[2:3])[-1]} {words(ref.token_ids[3:4])[:2]}"
+    n = first_token_completing(stop, ref.token_ids)
+    # One character wider, the same token completes it, earlier in the text: it wins.
+    at = ref.text.index(stop) - 1
+    wider = ref.text[at : at + 1 + len(stop)]
+    cut = at + (len(wider) if include else 0)
+    params = SamplingParams(
+        max_new_tokens=8, stop=[stop, "never said", wider], include_stop_str_in_output=include
+    )
+    pieces = list(engine.stream(GenerateRequest(text, images, params)))
+    last = pieces[-1]
+    assert last.finished and last.finish_reason == "stop" and len(pieces) == n
+    assert last.token_ids == ref.token_ids[:n]
+    assert last.text == ref.text[:cut]
+    assert "".join(p.new_text for p in pieces) == last.text
+    for p in pieces[:-1]:  # held back: never a character past the cut, nor of the string
+        assert ref.text[:at].startswith(p.text)
+    assert_idle(engine)
+    (again,) = engine.generate([GenerateRequest(text, images, params)])
+    assert again.text == last.text and again.stats.cached_tokens > 0  # its KV was cached
+
+
+def test_a_stop_string_on_the_last_allowed_token_still_says_stop(llava):
+    model, processor = llava
+    text, images = CASES[2]
+    engine = LLMEngine(model, processor)
+    (ref,) = engine.generate([GenerateRequest(text, images, SamplingParams(max_new_tokens=8))])
+    stop = words(ref.token_ids[4:5])  # the 5th word, whole
+    n = first_token_completing(stop, ref.token_ids)
+    for max_new, reason in ((n, "stop"), (n - 1, "length")):
+        params = SamplingParams(max_new_tokens=max_new, stop=stop)  # a str: one stop string
+        (out,) = engine.generate([GenerateRequest(text, images, params)])
+        assert out.finish_reason == reason and out.token_ids == ref.token_ids[:max_new]
+        assert out.text == (
+            ref.text[: ref.text.index(stop)] if reason == "stop" else words(ref.token_ids[:max_new])
+        )
+    (unseen,) = engine.generate(
+        [GenerateRequest(text, images, SamplingParams(max_new_tokens=8, stop=["w10 w11"]))]
+    )  # the prompt's words: only the output is searched
+    assert unseen.text == ref.text and unseen.finish_reason == ref.finish_reason
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("stop", [[""], [1], "", ["a", None], {"a"}])
+def test_bad_stop_strings_are_refused(stop):
+    with pytest.raises(RequestError, match="stop must be"):
+        SamplingParams(stop=stop)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(llava):
     model, processor = llava
     text, images = CASES[0]

@@ -261,9 +261,9 @@ def test_abort_running_and_waiting_requests():
     s.add_request(a)
     s.add_request(b)
     run_step(s)
-    assert s.abort_request("b") is b and b.status.finish_reason == "abort"
-    assert s.abort_request("a") is a and a.status.finish_reason == "abort"
-    assert s.abort_request("a") is None
+    assert s.finish_request("b") is b and b.status.finish_reason == "abort"
+    assert s.finish_request("a") is a and a.status.finish_reason == "abort"
+    assert s.finish_request("a") is None
     assert_idle(s)
     assert s.tree_cache.evictable_size() == 5  # a's computed prompt stayed cached
 

@@ -190,6 +190,38 @@ def test_streamed_chunks_concatenate_to_the_answer(url, client, reference):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
 
 
+def test_stop_strings_end_the_answer_as_the_engines(url, client, reference):
+    """``stop``: the answer ends before the first stop string, streamed or not, as the engine
+    ends it (tests/test_engine.py holds the engine to vLLM's rule)."""
+    question = "What shapes are in the picture?"
+    full = expected(reference, question, SHAPES, max_new_tokens=20).text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # mid-answer, likely across tokens
+    want = expected(reference, question, SHAPES, max_new_tokens=20, stop=[stop])
+    assert want.finish_reason == "stop" and len(want.text) < len(full)
+    messages = user_turn(question, str(SHAPES))
+    resp = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=20, temperature=0, stop=[stop, "never said"]
+    )
+    assert resp.choices[0].message.content == want.text
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == len(want.token_ids)
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=20, temperature=0, stop=stop, stream=True
+    )
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    resp = client.chat.completions.create(  # vLLM's extension, through extra_body
+        model=NAME,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert resp.choices[0].message.content == want.text + stop
+
+
 def test_a_tiny_temperature_samples_the_greedy_answer(client, reference):
     """1e-40 divides the logits past float32's range: the sampler must still give the argmax
     (and the engine thread must survive it)."""
@@ -383,7 +415,7 @@ BAD_REQUESTS = {
     "max_tokens text": ("chat", chat_body(max_tokens="many"), 400),
     "temperature -1": ("chat", chat_body(temperature=-1), 400),
     "n 2": ("chat", chat_body(n=2), 400),
-    "stop strings": ("chat", chat_body(stop=["."]), 400),
+    "empty stop string": ("chat", chat_body(stop=[""]), 400),
     "two constraints": ("chat", chat_body(guided_regex="a+", guided_choice=["a"]), 400),
     "regex that does not parse": ("chat", chat_body(guided_regex="(unclosed"), 400),
     "grammar kind we lack": ("chat", chat_body(structured_outputs={"grammar": "root ::= x"}), 400),

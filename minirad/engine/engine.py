@@ -10,6 +10,7 @@ The parts, each in its own module (nano-vllm's ``LLMEngine`` layout, vLLM's name
              sample()                        greedy / temperature / top-k / top-p, per request
              Scheduler.update_from_output()  append tokens, stop, cache in the radix tree
              Request.jump_forward()          append the tokens a grammar forces
+             _detokenize()                   the text; finish at a stop string
     -> RequestOutput (token ids, text, finish reason, stats)
 
 Memory: one :class:`~minirad.kv_pool.KVCache` of ``num_kv_slots`` token slots in pages of
@@ -304,10 +305,13 @@ class LLMEngine:
     def abort_request(self, rid: str) -> RequestOutput | None:
         """Stop a request (its computed KV stays cached). Returns its final output, or None
         if no such request is unfinished."""
-        request = self.scheduler.abort_request(rid)
+        request = self.scheduler.finish_request(rid)
         if self.kv_events is not None:  # its KV went into the tree outside a step
             self.kv_events.flush()
-        return None if request is None else self._make_output(request)
+        if request is None:
+            return None
+        self._detokenize(request)  # a grammar's forced tokens may have come since the step
+        return self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -336,6 +340,7 @@ class LLMEngine:
         advanced = self.scheduler.update_from_output(out, tokens)
         for request in advanced:
             self._jump_forward(request)
+            self._detokenize(request)
         t = self.bus.tick()
         if self.bus.active:
             sched = out.scheduled
@@ -378,22 +383,47 @@ class LLMEngine:
         apply_token_bitmask(rows, bitmask)
         logits[constrained] = rows
 
+    def _detokenize(self, request: Request) -> None:
+        """Decode the request's outputs into ``output_text`` and finish the request at its
+        first stop string, cutting the text there (vLLM checks stop strings in its output
+        processor, on the detokenized text, then aborts the request in the engine core; here
+        the scheduler finishes it within the step, so the step's events say so).
+
+        The whole text is searched each step: a stop string split across tokens, or across
+        steps (a grammar's forced run), is found in the step that completes it. A request that
+        hit ``max_new_tokens`` in the same step still ends on the string, as "stop"."""
+        text = self._decode(request.output_ids)
+        params = request.sampling_params
+        found = [(i, s) for s in params.stop or () if (i := text.find(s)) >= 0]
+        if found:
+            i, s = min(found)
+            text = text[: i + len(s)] if params.include_stop_str_in_output else text[:i]
+            if request.is_finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(request.rid, RequestStatus.FINISHED_STOPPED)
+        request.output_text = text
+
     def _make_output(self, request: Request) -> RequestOutput:
         new_ids = request.output_ids[request.num_sent_tokens :]
         request.num_sent_tokens = len(request.output_ids)
-        text = self._decode(request.output_ids)
-        # Hold back a trailing replacement character: the next token may complete the UTF-8
-        # sequence it stands for (byte-level BPE), and streamed text must never be taken back.
-        if not request.is_finished and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
+        # Streamed text is never taken back, so hold back what the next tokens may change: a
+        # trailing replacement character (the next token may complete the UTF-8 sequence it
+        # stands for, byte-level BPE) and, with stop strings, the last max(len) - 1
+        # characters (they may be the start of one, which must not be sent).
+        sendable = request.output_text
+        if not request.is_finished:
+            sendable = sendable.rstrip("\ufffd")
+            if stops := request.sampling_params.stop:
+                sendable = sendable[: max(len(sendable) - max(map(len, stops)) + 1, 0)]
         new_text = ""
-        if text.startswith(request.sent_text):  # text only grows (unless a tokenizer rewrites)
-            new_text, request.sent_text = text[len(request.sent_text) :], text
+        if sendable.startswith(request.sent_text):  # text only grows (unless a tokenizer rewrites)
+            new_text, request.sent_text = sendable[len(request.sent_text) :], sendable
         return RequestOutput(
             rid=request.rid,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_ids),
-            text=text,
+            text=sendable,
             new_token_ids=new_ids,
             new_text=new_text,
             finished=request.is_finished,
@@ -421,7 +451,7 @@ class LLMEngine:
                 rids.append(self.add_request(r))
         except Exception:
             for rid in rids:
-                self.scheduler.abort_request(rid)
+                self.scheduler.finish_request(rid)
             raise
         wanted, done = set(rids), {}
         while len(done) < len(rids):
@@ -444,7 +474,7 @@ class LLMEngine:
                         yield out
         finally:
             if not finished:
-                self.scheduler.abort_request(rid)
+                self.scheduler.finish_request(rid)
 
     # ------------------------------------------------------------------ state
     @property

@@ -187,6 +187,7 @@ class Request(Req):
         self.logits: list[torch.Tensor] | None = [] if return_logits else None
         self.status = RequestStatus.WAITING
         self.stats = RequestStats(prompt_tokens=len(self.prompt_token_ids))
+        self.output_text = ""  # output_ids decoded, cut at a stop string (the engine's)
         self.sent_text = ""  # text already returned (for streaming deltas)
         self.num_sent_tokens = 0
 
@@ -279,7 +280,10 @@ class RequestOutput:
         rid: request id.
         prompt_token_ids: the prompt as the model saw it (placeholders expanded).
         token_ids: every generated token so far (a stop token included).
-        text: ``token_ids`` decoded, special tokens skipped ("" without a tokenizer).
+        text: ``token_ids`` decoded, special tokens skipped ("" without a tokenizer), cut at
+            a stop string (``SamplingParams.stop``). Before the request finishes, the text
+            so far less what may still change (a partial UTF-8 character, the start of a
+            stop string): every ``new_text`` so far, joined.
         new_token_ids, new_text: what this step added (for streaming).
         finished: no more tokens will come.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None.

@@ -203,9 +203,12 @@ class Scheduler:
         total = request.num_prompt_tokens + request.sampling_params.max_new_tokens
         return min(total, self.config.max_model_len) - 1
 
-    def abort_request(self, rid: str) -> Request | None:
-        """Stop a request now; its computed KV stays in the tree. Returns it (None if no
-        such unfinished request)."""
+    def finish_request(
+        self, rid: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> Request | None:
+        """Finish a request now, with ``status`` (vLLM's ``finish_requests``: an abort, or a
+        stop string the engine found in its text); its computed KV stays in the tree.
+        Returns it (None if no such unfinished request)."""
         request = self.requests.pop(rid, None)
         if request is None:
             return None
@@ -214,7 +217,7 @@ class Scheduler:
             self._release(request, insert=True)
         else:
             self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED_ABORTED
+        request.status = status
         return request
 
     def has_unfinished_requests(self) -> bool:
