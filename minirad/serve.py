@@ -36,7 +36,10 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` (one constraint per request). Unset
   sampling fields take the model's ``generation_config`` values, else OpenAI's defaults
   (temperature 1, as vLLM does): send ``"temperature": 0`` for greedy answers.
-  Refused with a 400: ``n`` > 1, ``logprobs``, ``echo``. Other fields are
+  ``n`` (1 to :data:`MAX_N`): that many choices, sampled as separate engine requests of the
+  same prompt (vLLM's parallel sampling; with a ``seed``, choice ``i`` draws with
+  ``seed + i``), streamed as chunks tagged with their ``index``. Refused with a 400:
+  ``logprobs``, ``echo``. Other fields are
   ignored, as vLLM ignores fields it does not know.
 - ``usage`` (in every answer, and in a stream's last chunk with ``include_usage``) has
   ``prompt_tokens_details.cached_tokens``: the prompt tokens the radix tree held for this
@@ -88,7 +91,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -121,6 +124,9 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ the protocol
+MAX_N = 64  # choices per request (n): each is an engine request, so bound what one client asks
+
+
 class _Model(BaseModel):
     # Fields minirad does not read are ignored, as vLLM ignores them (it logs them); the
     # ones that would change the answer are refused (_SamplingFields.check_supported).
@@ -182,7 +188,7 @@ class _SamplingFields(_Model):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch's generators take
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -195,8 +201,6 @@ class _SamplingFields(_Model):
 
     def check_supported(self) -> None:
         """Raises RequestError for a field whose meaning the engine cannot honour."""
-        if self.n != 1:
-            raise RequestError(f"n must be 1 (one choice per request), got {self.n}")
 
     def sampling_params(
         self, max_tokens: int, defaults: Mapping[str, Any], eos: Sequence[int]
@@ -358,33 +362,37 @@ class _Channel:
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator (the last has ``finished`` set).
+    """The outputs of one API request's engine requests (one per choice: ``n``), as an async
+    iterator of ``(index, output)`` in the order the engine produced them; it ends when each
+    request has had its last output (``finished`` set).
 
-    :meth:`abort` stops the request in the engine (its KV stays cached, unlocked); it does
-    nothing once the last output arrived, so a handler calls it however it ends.
+    :meth:`abort` stops the unfinished ones in the engine (their KV stays cached, unlocked);
+    it does nothing once every last output arrived, so a handler calls it however it ends.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, rid: str, channel: _Channel) -> None:
-        self.engine, self.rid, self._channel = engine, rid, channel
-        self.finished = False
+    def __init__(self, engine: AsyncLLMEngine, rids: Sequence[str], channel: _Channel) -> None:
+        self.engine, self._channel = engine, channel
+        self._index = {rid: i for i, rid in enumerate(rids)}
+        self._unfinished = set(rids)
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._unfinished:
             raise StopAsyncIteration
         item = await self._channel.queue.get()
         if isinstance(item, BaseException):
-            self.finished = True
+            self._unfinished.clear()
             raise item
-        self.finished = item.finished
-        return item
+        if item.finished:
+            self._unfinished.discard(item.rid)
+        return self._index[item.rid], item
 
     def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.rid)
+        for rid in self._unfinished:
+            self.engine.abort(rid)
+        self._unfinished.clear()
 
 
 class AsyncLLMEngine:
@@ -418,25 +426,28 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    async def add_request(self, request: GenerateRequest) -> RequestStream:
-        """Queue ``request`` (its ``rid`` set) in the engine; returns its outputs.
+    async def add_request(self, requests: Sequence[GenerateRequest]) -> RequestStream:
+        """Queue ``requests`` (their ``rid`` set: one API request's choices) in the engine, in
+        one go between two steps; returns their outputs.
 
         Raises:
-            MiniradError: what :meth:`LLMEngine.add_request` raised (nothing is queued).
+            MiniradError: what :meth:`LLMEngine.add_request` raised for one of them (then none
+                is queued).
             EngineDeadError: the engine thread has stopped.
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         channel = _Channel(asyncio.get_running_loop())
-        self._inbox.put(("add", request, channel))
+        self._inbox.put(("add", requests, channel))
         try:
             ack = await channel.queue.get()
-        except asyncio.CancelledError:  # the client left before the engine took it
-            self.abort(request.rid)
+        except asyncio.CancelledError:  # the client left before the engine took them
+            for request in requests:
+                self.abort(request.rid)
             raise
         if isinstance(ack, BaseException):
             raise ack
-        return RequestStream(self, request.rid, channel)
+        return RequestStream(self, [r.rid for r in requests], channel)
 
     def abort(self, rid: str) -> None:
         """Abort request ``rid`` (thread-safe; nothing happens if it has finished)."""
@@ -518,14 +529,19 @@ class AsyncLLMEngine:
     def _handle(self, command: tuple, replies: list) -> None:
         kind, *args = command
         if kind == "add":
-            request, channel = args
+            requests, channel = args
+            added = []
             try:
-                self.engine.add_request(request)
-            except Exception as e:  # nothing was queued: the handler answers with it
+                for request in requests:
+                    added.append(self.engine.add_request(request))
+            except Exception as e:  # the handler answers with it, and nothing stays queued
+                for rid in added:
+                    self.engine.abort_request(rid)
                 replies.append((channel, e))
                 return
-            self._channels[request.rid] = channel
-            replies.append((channel, request.rid))
+            for rid in added:
+                self._channels[rid] = channel
+            replies.append((channel, added))
         elif kind == "call":
             fn, channel = args
             try:
@@ -709,13 +725,16 @@ def _completion_prompt(prompt: str | list) -> str | list[int]:
 
 
 # ---------------------------------------------------------------------------------- responses
-def _usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def _usage(outs: Sequence[RequestOutput]) -> dict:
+    """OpenAI's ``usage`` of one API request's choices: the prompt once, every choice's
+    completion tokens; ``cached_tokens``: the first choice's (the others usually find its
+    prompt cached, which is the point of sampling them together)."""
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.stats.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": outs[0].stats.cached_tokens},
     }
 
 
@@ -744,13 +763,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _final_output(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The request's last output, or None if the client left first (then it is aborted)."""
+async def _final_outputs(stream: RequestStream, request: Request) -> list[RequestOutput] | None:
+    """Each choice's last output, by index, or None if the client left first (then they are
+    aborted)."""
 
-    async def last() -> RequestOutput:
-        async for out in stream:
+    async def last() -> list[RequestOutput]:
+        outs = {}
+        async for i, out in stream:
             if out.finished:
-                return out
+                outs[i] = out
+        return [outs[i] for i in sorted(outs)]
 
     result = asyncio.ensure_future(last())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -842,38 +864,64 @@ def build_app(
                 f"The model `{name}` does not exist. This server serves `{served_model_name}`."
             )
 
-    async def submit(prompt, images: list, fields: _SamplingFields, max_tokens: int | None):
+    async def submit(
+        prompt, images: list, fields: _SamplingFields, max_tokens: int | None
+    ) -> tuple[str, RequestStream]:
+        """Queue the request's ``n`` choices as engine requests (vLLM's parallel sampling:
+        ``{index}_{id}``, seeds ``seed + index``; the prompt's KV is shared through the radix
+        tree); returns the API request's id and their outputs."""
         # No max_tokens: until the context is full (the engine stops there), as vLLM does.
         max_tokens = engine.max_model_len if max_tokens is None else max_tokens
         params = fields.sampling_params(max_tokens, defaults, engine.eos_token_ids)
         rid = uuid.uuid4().hex
-        return rid, await async_engine.add_request(GenerateRequest(prompt, images, params, rid))
+        if fields.n == 1:
+            return rid, await async_engine.add_request(
+                [GenerateRequest(prompt, images, params, rid)]
+            )
+        children = []
+        for i in range(fields.n):
+            seed = params.seed
+            if seed is not None:  # each its own draws, reproducible; wrap past torch's range
+                seed = seed + i if seed + i < 2**64 else seed + i - 2**64
+            child = replace(params, seed=seed)
+            children.append(GenerateRequest(prompt, images, child, f"{i}_{rid}"))
+        return rid, await async_engine.add_request(children)
 
     async def respond(
         raw: Request,
         stream: RequestStream,
         fields: _SamplingFields,
-        final: Callable[[RequestOutput], dict],
-        delta: Callable[[RequestOutput | None], dict],
+        head: dict,
+        chunk_object: str,
+        final_choice: Callable[[int, RequestOutput], dict],
+        delta_choice: Callable[[int, RequestOutput | None], dict | None],
     ) -> Response:
-        """The JSON answer, or its server-sent events: ``delta(out)`` per output with new
-        text (``delta(None)``: the opening chunk), then the usage chunk if asked, then
-        ``[DONE]``."""
+        """The JSON answer (``head``, a ``final_choice`` per choice, the usage), or its
+        server-sent events: a chunk per output with new text (``delta_choice(i, out)``; first
+        ``delta_choice(i, None)``, the opening chunk, if any), then the usage chunk if asked,
+        then ``[DONE]``; each chunk is ``head`` with ``chunk_object`` as its ``object``."""
         if not fields.stream:
-            out = await _final_output(stream, raw)
-            return Response(status_code=499) if out is None else JSONResponse(final(out))
+            outs = await _final_outputs(stream, raw)
+            if outs is None:
+                return Response(status_code=499)
+            choices = [final_choice(i, out) for i, out in enumerate(outs)]
+            return JSONResponse(head | {"choices": choices, "usage": _usage(outs)})
         include_usage = fields.stream_options is not None and fields.stream_options.include_usage
+        chunk = head | {"object": chunk_object}
 
         async def chunks() -> AsyncIterator[str]:
             try:
-                if (opening := delta(None)) is not None:
-                    yield _sse(opening)
-                out = None
-                async for out in stream:
+                for i in range(fields.n):
+                    if (opening := delta_choice(i, None)) is not None:
+                        yield _sse(chunk | {"choices": [opening]})
+                last: dict[int, RequestOutput] = {}
+                async for i, out in stream:
+                    last[i] = out
                     if out.new_text or out.finished:
-                        yield _sse(delta(out))
+                        yield _sse(chunk | {"choices": [delta_choice(i, out)]})
                 if include_usage:
-                    yield _sse(delta(out) | {"choices": [], "usage": _usage(out)})
+                    usage = _usage([last[i] for i in sorted(last)])
+                    yield _sse(chunk | {"choices": [], "usage": usage})
             except Exception as e:  # the engine failed mid-stream: say so in the stream
                 yield _sse(error_body(str(e), type(e).__name__, 500))
             yield _sse("[DONE]")
@@ -929,21 +977,24 @@ def build_app(
         head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time())}
         head["model"] = served_model_name
 
-        def final(out: RequestOutput) -> dict:
+        def final_choice(i: int, out: RequestOutput) -> dict:
             message = {"role": "assistant", "content": out.text}
-            choice = {"index": 0, "message": message, "logprobs": None}
-            choice["finish_reason"] = out.finish_reason
-            return head | {"choices": [choice], "usage": _usage(out)}
+            return {
+                "index": i,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+            }
 
-        def delta(out: RequestOutput | None) -> dict:
+        def delta_choice(i: int, out: RequestOutput | None) -> dict:
             if out is None:  # OpenAI's first chunk: the role, no text
                 d, reason = {"role": "assistant", "content": ""}, None
             else:
                 d, reason = ({"content": out.new_text} if out.new_text else {}), out.finish_reason
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
-            return head | {"object": "chat.completion.chunk", "choices": [choice]}
+            return {"index": i, "delta": d, "logprobs": None, "finish_reason": reason}
 
-        return await respond(raw, stream, body, final, delta)
+        chunk_object = "chat.completion.chunk"
+        return await respond(raw, stream, body, head, chunk_object, final_choice, delta_choice)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -977,20 +1028,19 @@ def build_app(
         head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time())}
         head["model"] = served_model_name
 
-        def choice(text: str, reason: str | None) -> dict:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        def choice(i: int, text: str, reason: str | None) -> dict:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
 
-        def final(out: RequestOutput) -> dict:
-            choices = [choice(out.text, out.finish_reason)]
-            return head | {"choices": choices, "usage": _usage(out)}
+        def final_choice(i: int, out: RequestOutput) -> dict:
+            return choice(i, out.text, out.finish_reason)
 
-        def delta(out: RequestOutput | None) -> dict | None:
+        def delta_choice(i: int, out: RequestOutput | None) -> dict | None:
             if out is None:  # completions open with the first text
                 return None
-            choices = [choice(out.new_text, out.finish_reason)]
-            return head | {"choices": choices}
+            return choice(i, out.new_text, out.finish_reason)
 
-        return await respond(raw, stream, body, final, delta)
+        chunk_object = "text_completion"  # vLLM's and OpenAI's name for its chunks too
+        return await respond(raw, stream, body, head, chunk_object, final_choice, delta_choice)
 
     return app
 

@@ -34,7 +34,7 @@ from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.kv_events import BlockStored, KVEventSubscriber, Notice
 from minirad.models import DEFAULT_MODEL_DIR
 from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
-from minirad.serve import build_app
+from minirad.serve import MAX_N, build_app
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "data" / "images"
@@ -220,6 +220,49 @@ def test_stop_strings_end_the_answer_as_the_engines(url, client, reference):
         extra_body={"include_stop_str_in_output": True},
     )
     assert resp.choices[0].message.content == want.text + stop
+
+
+def test_n_choices_are_the_engines_requests_seeded_one_apart(url, client, reference):
+    """``n``: one engine request per choice (vLLM's parallel sampling), choice ``i`` seeded
+    ``seed + i``; streamed, each choice's chunks carry its index."""
+    question = "What shapes are in the picture?"
+    messages = user_turn(question, str(SHAPES))
+    sampled = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, "seed": 7}
+    resp = client.chat.completions.create(
+        model=NAME, messages=messages, n=3, extra_body={"top_k": 0}, **sampled
+    )
+    want = [
+        expected(reference, question, SHAPES, max_new_tokens=12, seed=7 + i, temperature=1.0)
+        for i in range(3)
+    ]
+    assert len({w.text for w in want}) > 1, "the seeds should sample different answers"
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.message.content for c in resp.choices] == [w.text for w in want]
+    assert [c.finish_reason for c in resp.choices] == [w.finish_reason for w in want]
+    assert resp.usage.prompt_tokens == len(want[0].prompt_token_ids)
+    assert resp.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+
+    body = {"messages": messages, "n": 3, "stream": True, "top_k": 0, **sampled}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    texts, reasons = ["", "", ""], [None, None, None]
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    assert texts == [w.text for w in want] and reasons == [w.finish_reason for w in want]
+    assert chunks[-1]["usage"]["completion_tokens"] == resp.usage.completion_tokens
+
+    greedy = client.completions.create(
+        model=NAME,
+        prompt=chat_prompt(reference.processor, "What is red?", 0),
+        n=2,
+        max_tokens=8,
+        temperature=0,
+    )
+    assert greedy.choices[0].text == greedy.choices[1].text  # argmax twice
+    assert wait_until(url, idle)
 
 
 def test_a_tiny_temperature_samples_the_greedy_answer(client, reference):
@@ -414,7 +457,8 @@ BAD_REQUESTS = {
     "max_tokens -1": ("chat", chat_body(max_tokens=-1), 400),
     "max_tokens text": ("chat", chat_body(max_tokens="many"), 400),
     "temperature -1": ("chat", chat_body(temperature=-1), 400),
-    "n 2": ("chat", chat_body(n=2), 400),
+    "n 0": ("chat", chat_body(n=0), 400),
+    "n too many": ("completions", {"prompt": "Hi", "n": MAX_N + 1}, 400),
     "empty stop string": ("chat", chat_body(stop=[""]), 400),
     "two constraints": ("chat", chat_body(guided_regex="a+", guided_choice=["a"]), 400),
     "regex that does not parse": ("chat", chat_body(guided_regex="(unclosed"), 400),
@@ -495,6 +539,15 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(url, client, referen
     assert (
         after2["vllm:request_success_total{abort}"]
         == after["vllm:request_success_total{abort}"] + 1
+    )
+
+    # n choices: leaving aborts every one of them.
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=long_body(True) | {"n": 3}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    after3 = wait_until(url, idle)
+    assert (
+        after3["vllm:request_success_total{abort}"]
+        == after2["vllm:request_success_total{abort}"] + 3
     )
 
     # The server still answers, correctly.
