@@ -190,7 +190,9 @@ def check_image_pixels(source: Path | BinaryIO, shown: str, where: str = "") -> 
                 width, height = img.size
     except Image.DecompressionBombError as e:
         raise ImageError(f"{where}image {shown} has over {2 * limit:,} pixels: {too_big}") from e
-    except (UnidentifiedImageError, OSError) as e:
+    except UnidentifiedImageError as e:  # its message names the file object, not the image
+        raise ImageError(f"{where}cannot read image {shown}: not an image file") from e
+    except OSError as e:
         raise ImageError(f"{where}cannot read image {shown}: not an image file ({e})") from e
     if limit is not None and width * height > limit:
         raise ImageError(
@@ -662,11 +664,10 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_DIR.name
     args.model = args.model or str(DEFAULT_MODEL_DIR)
     check_model_dir(args.model)
-    if args.allowed_local_media_path is not None:
-        if not Path(args.allowed_local_media_path).is_dir():
-            raise InvalidArgumentError(
-                f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a folder"
-            )
+    if not Path(args.allowed_local_media_path).is_dir():
+        raise InvalidArgumentError(
+            f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a folder"
+        )
     events = {
         "kv_events_endpoint": args.kv_events_endpoint,
         "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
@@ -800,7 +801,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the model over HTTP (OpenAI-compatible API, as vllm serve)",
         formatter_class=fmt,
         description="An OpenAI-compatible server (minirad.serve): /v1/chat/completions, "
-        "/v1/completions, /v1/models, /health, /metrics (vLLM's metric names).",
+        "/v1/completions, /v1/models, /health, /metrics (vLLM's metric names), /tokenize, "
+        "/detokenize, /reset_prefix_cache (vLLM's), /server_info, /model_info (SGLang's).",
     )
     s.add_argument(
         "--model",
@@ -817,9 +819,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--allowed-local-media-path",
-        default=None,
+        default=".",
         metavar="DIR",
-        help="image file paths must lie in this folder (default: any readable path)",
+        help="image file paths must lie in this folder (default: the folder the server is "
+        "started in; '/' allows any readable path)",
     )
     s.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
     _add_engine_options(s)

@@ -65,7 +65,8 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
 ``BadRequestError`` for a request the engine refuses (every typed error of
 :mod:`minirad.errors`: malformed JSON, a bad field, an unreadable image, a grammar that does
-not compile...), 404 ``NotFoundError`` for a model name this server does not serve.
+not compile...), 404 ``NotFoundError`` for a model name this server does not serve (or a
+path it does not have), 405 for a wrong method.
 
 Example::
 
@@ -93,7 +94,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -103,6 +104,7 @@ from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .cli import chat_template, check_image, check_image_pixels
 from .engine import EngineStats, GenerateRequest, LLMEngine, RequestOutput
@@ -180,13 +182,15 @@ class StructuredOutputs(_Model):
 class _SamplingFields(_Model):
     """What both endpoints read besides the prompt (OpenAI's names, vLLM's extensions)."""
 
+    model_config = ConfigDict(extra="allow")  # kept, for check_supported to look at
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch's generators take
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
@@ -199,8 +203,29 @@ class _SamplingFields(_Model):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
 
+    # Fields of OpenAI's API or vLLM's that would change the answer, and that the engine does
+    # not implement, with their "off" values: refused unless off, never silently ignored.
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "presence_penalty": (None, 0),
+        "frequency_penalty": (None, 0),
+        "repetition_penalty": (None, 1),
+        "min_p": (None, 0),
+        "logit_bias": (None, {}),
+        "min_tokens": (None, 0),
+        "best_of": (None, 1),
+        "bad_words": (None, []),
+        "allowed_token_ids": (None,),
+        "prompt_logprobs": (None,),
+    }
+
     def check_supported(self) -> None:
         """Raises RequestError for a field whose meaning the engine cannot honour."""
+        extra = self.model_extra or {}
+        for name, off in self.UNSUPPORTED.items():
+            if name in extra and extra[name] not in off:
+                raise RequestError(
+                    f"{name} is not supported (it would change the answer); leave it unset"
+                )
 
     def sampling_params(
         self, max_tokens: int, defaults: Mapping[str, Any], eos: Sequence[int]
@@ -272,6 +297,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
 
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = _SamplingFields.UNSUPPORTED | {
+        "top_logprobs": (None, 0),
+        "tools": (None, []),
+    }
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.logprobs:
@@ -285,6 +315,10 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = _SamplingFields.UNSUPPORTED | {
+        "suffix": (None, ""),
+    }
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -683,6 +717,8 @@ def _image(url: str, allowed_root: Path | None) -> Image.Image | str:
         except (OSError, ValueError) as e:
             raise ImageError(f"cannot decode the image in the data URL: {e}") from e
         return image
+    if not url:
+        raise ImageError("an image_url must not be empty: send a data: URL or a local path")
     if url.startswith(("http://", "https://")):
         raise ImageError(
             "this server fetches no images over the network: send a data: URL or a local path"
@@ -800,7 +836,8 @@ def build_app(
     Its lifespan starts the :class:`AsyncLLMEngine` thread and stops it (run it with uvicorn,
     which runs the lifespan). ``model_path`` is ``/v1/models``' ``root`` (default: the name);
     ``allowed_local_media_path`` restricts image file paths to one folder (vLLM's flag;
-    default: any path the server can read).
+    default here: any path the server can read; ``minirad serve``'s default: its working
+    folder).
     """
     async_engine = AsyncLLMEngine(engine)
     allowed_root = None
@@ -848,6 +885,17 @@ def build_app(
     @app.exception_handler(_NotFound)
     async def not_found(_: Request, exc: _NotFound) -> JSONResponse:
         return _error(404, str(exc), "NotFoundError", "model")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (no such path, a wrong method, a body it cannot parse),
+        # in the same body as ours rather than {"detail": ...}.
+        type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
+            exc.status_code, "BadRequestError"
+        )
+        response = _error(exc.status_code, str(exc.detail), type_)
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -458,6 +458,11 @@ BAD_REQUESTS = {
     "max_tokens text": ("chat", chat_body(max_tokens="many"), 400),
     "temperature -1": ("chat", chat_body(temperature=-1), 400),
     "n 0": ("chat", chat_body(n=0), 400),
+    "presence_penalty": ("chat", chat_body(presence_penalty=0.5), 400),
+    "min_tokens": ("chat", chat_body(min_tokens=5), 400),
+    "logit_bias": ("completions", {"prompt": "Hi", "logit_bias": {"5": 100}}, 400),
+    "tools": ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    "suffix": ("completions", {"prompt": "Hi", "suffix": "!"}, 400),
     "n too many": ("completions", {"prompt": "Hi", "n": MAX_N + 1}, 400),
     "empty stop string": ("chat", chat_body(stop=[""]), 400),
     "two constraints": ("chat", chat_body(guided_regex="a+", guided_choice=["a"]), 400),
@@ -490,6 +495,13 @@ def test_bad_requests_get_openai_error_bodies(url, case):
         (b'{"messages": [', "application/json", "chat/completions", "not valid JSON"),
         (json.dumps(chat_body()).encode(), "text/plain", "chat/completions", "a JSON object"),
         (b'{"prompt": [1, 3, 5]}', "application/json", "completions", "(id 3) and no image"),
+        # Refused before it is tokenized (which took the engine thread 30 s for 20 MB).
+        (
+            json.dumps({"prompt": "a" * 2_000_000}).encode(),
+            "application/json",
+            "completions",
+            "2,000,000 characters",
+        ),
     ],
 )
 def test_error_messages_say_what_is_wrong(url, content, content_type, endpoint, said):
@@ -499,6 +511,29 @@ def test_error_messages_say_what_is_wrong(url, content, content_type, endpoint, 
     assert resp.status_code == 400, resp.text
     assert said in resp.json()["error"]["message"]
     assert resp.json()["error"]["param"] is None
+
+
+JSON = {"content-type": "application/json"}
+
+
+def test_unknown_paths_and_methods_get_openai_error_bodies(url):
+    """Starlette's refusals too: no such path, a wrong method, JSON nested too deep to parse."""
+    for resp, status in (
+        (httpx.get(f"{url}/v1/nothing"), 404),
+        (httpx.get(f"{url}/v1/chat/completions"), 405),
+        (httpx.post(f"{url}/v1/completions", content=b"[" * 100_000, headers=JSON), 400),
+    ):
+        assert resp.status_code == status, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == status and error["message"] and error["type"].endswith("Error")
+
+
+def test_fields_we_lack_are_accepted_when_off(url):
+    """A client that sends vLLM's or OpenAI's defaults explicitly gets its answer."""
+    off = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    off |= {"logit_bias": {}, "min_tokens": 0, "tools": [], "top_logprobs": 0, "bogus": 1}
+    resp = httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=4, **off))
+    assert resp.status_code == 200, resp.text
 
 
 def test_the_openai_client_sees_typed_errors(client):
@@ -637,6 +672,9 @@ def test_minirad_serve_answers_and_publishes_kv_events(reference):
             answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=PATIENCE_S).json()
             want = expected(reference, question, SQUARE, max_new_tokens=8)
             assert answer["choices"][0]["message"]["content"] == want.text
+            outside = body | {"messages": user_turn(question, "/etc/hostname")}
+            refused = httpx.post(f"{base}/v1/chat/completions", json=outside, timeout=PATIENCE_S)
+            assert refused.status_code == 400 and "outside" in refused.json()["error"]["message"]
             stored: list[int] = []
             deadline = time.monotonic() + PATIENCE_S
             full = len(want.prompt_token_ids) // 32 * 32

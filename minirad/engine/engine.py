@@ -186,6 +186,7 @@ class LLMEngine:
             image_token_id=self.vlm.image_token_id,
             vocab_size=text_config.vocab_size,
             image_input_names=self.vlm.family.image_input_names,
+            max_prompt_tokens=self.max_model_len,
         )
         eos = model.generation_config.eos_token_id  # what HF generate() stops on
         self.eos_token_ids: tuple[int, ...] = (

@@ -108,6 +108,9 @@ class InputProcessor:
             are at or above it.
         image_input_names: the processor outputs the vision tower takes
             (:attr:`~minirad.models.VLMFamily.image_input_names`).
+        max_prompt_tokens: the context, in tokens, if text longer than it could ever be should
+            be refused before it is tokenized (a server must not spend seconds tokenizing a
+            20 MB prompt while its other clients wait); None: no such check.
     """
 
     max_cached_images = 256  # preprocessed images kept by hash
@@ -118,6 +121,7 @@ class InputProcessor:
         image_token_id: int,
         vocab_size: int,
         image_input_names: Sequence[str] = ("pixel_values",),
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
@@ -134,6 +138,12 @@ class InputProcessor:
         # A fast tokenizer's Rust backend gives the ids tokenizer(text) gives, without its
         # per-call argument handling: the shared bench's 128 prompts took 15 ms, now 8.
         self._backend = getattr(getattr(processor, "tokenizer", None), "backend_tokenizer", None)
+        # No token covers more characters than the vocabulary's longest entry; 4 times that
+        # per token leaves room for normalizers that shrink the text (NFC composes accents).
+        self.max_prompt_chars = None
+        if processor is not None and max_prompt_tokens is not None:
+            longest = max(map(len, processor.tokenizer.get_vocab()))
+            self.max_prompt_chars = 4 * longest * max_prompt_tokens
 
     def process(
         self, prompt: str | Sequence[int], images: Sequence[Image.Image | str | os.PathLike] = ()
@@ -141,7 +151,8 @@ class InputProcessor:
         """Token ids, radix key and image items of one prompt.
 
         Raises:
-            RequestError: empty prompt, ids outside the vocabulary, text without a processor.
+            RequestError: empty prompt, ids outside the vocabulary, text without a processor,
+                text too long for any tokenization of it to fit ``max_prompt_tokens``.
             ImageError: an image cannot be read, or the images do not match the prompt's
                 placeholders (too many, too few).
         """
@@ -165,6 +176,11 @@ class InputProcessor:
                 raise RequestError("empty prompt")
             if self.processor is None:
                 raise RequestError("a text prompt needs the model's processor")
+            if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+                raise RequestError(
+                    f"the prompt has {len(prompt):,} characters, more than the model's context "
+                    f"could hold as tokens (at most {self.max_prompt_chars:,} characters)"
+                )
             if self._backend is not None:
                 text_ids = self._backend.encode(prompt).ids
             else:
