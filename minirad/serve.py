@@ -295,17 +295,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = _SamplingFields.UNSUPPORTED | {
+        "logprobs": (None, False),
         "top_logprobs": (None, 0),
         "tools": (None, []),
     }
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs:
-            raise RequestError("logprobs are not supported")
 
 
 class CompletionRequest(_SamplingFields):
@@ -313,19 +308,12 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
-    logprobs: int | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = _SamplingFields.UNSUPPORTED | {
+        "echo": (None, False),
+        "logprobs": (None,),  # 0 still asks for the sampled tokens' logprobs
         "suffix": (None, ""),
     }
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise RequestError("echo is not supported")
-        if self.logprobs is not None:
-            raise RequestError("logprobs are not supported")
 
 
 class TokenizeRequest(_Model):
@@ -922,17 +910,14 @@ def build_app(
         max_tokens = engine.max_model_len if max_tokens is None else max_tokens
         params = fields.sampling_params(max_tokens, defaults, engine.eos_token_ids)
         rid = uuid.uuid4().hex
-        if fields.n == 1:
-            return rid, await async_engine.add_request(
-                [GenerateRequest(prompt, images, params, rid)]
-            )
         children = []
         for i in range(fields.n):
-            seed = params.seed
-            if seed is not None:  # each its own draws, reproducible; wrap past torch's range
-                seed = seed + i if seed + i < 2**64 else seed + i - 2**64
-            child = replace(params, seed=seed)
-            children.append(GenerateRequest(prompt, images, child, f"{i}_{rid}"))
+            child = params
+            if i and params.seed is not None:  # its own draws, reproducible; wrap past 2**64
+                seed = params.seed + i
+                child = replace(params, seed=seed if seed < 2**64 else seed - 2**64)
+            child_rid = rid if fields.n == 1 else f"{i}_{rid}"
+            children.append(GenerateRequest(prompt, images, child, child_rid))
         return rid, await async_engine.add_request(children)
 
     async def respond(

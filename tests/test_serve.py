@@ -463,6 +463,8 @@ BAD_REQUESTS = {
     "logit_bias": ("completions", {"prompt": "Hi", "logit_bias": {"5": 100}}, 400),
     "tools": ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
     "suffix": ("completions", {"prompt": "Hi", "suffix": "!"}, 400),
+    "logprobs": ("chat", chat_body(logprobs=True), 400),
+    "echo": ("completions", {"prompt": "Hi", "echo": True}, 400),
     "n too many": ("completions", {"prompt": "Hi", "n": MAX_N + 1}, 400),
     "empty stop string": ("chat", chat_body(stop=[""]), 400),
     "two constraints": ("chat", chat_body(guided_regex="a+", guided_choice=["a"]), 400),
