@@ -821,7 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allowed-local-media-path",
         default=".",
         metavar="DIR",
-        help="image file paths must lie in this folder (default: the folder the server is "
+        help="image file paths must lie in this folder ('.' is the folder the server is "
         "started in; '/' allows any readable path)",
     )
     s.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")

@@ -38,9 +38,11 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
   (temperature 1, as vLLM does): send ``"temperature": 0`` for greedy answers.
   ``n`` (1 to :data:`MAX_N`): that many choices, sampled as separate engine requests of the
   same prompt (vLLM's parallel sampling; with a ``seed``, choice ``i`` draws with
-  ``seed + i``), streamed as chunks tagged with their ``index``. Refused with a 400:
-  ``logprobs``, ``echo``. Other fields are
-  ignored, as vLLM ignores fields it does not know.
+  ``seed + i``), streamed as chunks tagged with their ``index``. Refused with a 400 unless
+  set to their off values: the fields of OpenAI's API or vLLM's that would change the answer
+  and that the engine does not implement (``UNSUPPORTED``: penalties, ``logit_bias``,
+  ``min_tokens``, ``best_of``, ``logprobs``, ``echo``, ``tools``, ``tool_choice``...). Fields
+  neither API defines for the endpoint are ignored, as vLLM ignores fields it does not know.
 - ``usage`` (in every answer, and in a stream's last chunk with ``include_usage``) has
   ``prompt_tokens_details.cached_tokens``: the prompt tokens the radix tree held for this
   request at its admission (:class:`~minirad.engine.RequestStats`).
@@ -300,6 +302,8 @@ class ChatCompletionRequest(_SamplingFields):
         "logprobs": (None, False),
         "top_logprobs": (None, 0),
         "tools": (None, []),
+        "tool_choice": (None, "none", "auto"),  # with no tools, "auto" calls none
+        "echo": (None, False),  # vLLM's: the answer would start with the last message
     }
 
 

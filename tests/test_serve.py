@@ -465,6 +465,8 @@ BAD_REQUESTS = {
     "suffix": ("completions", {"prompt": "Hi", "suffix": "!"}, 400),
     "logprobs": ("chat", chat_body(logprobs=True), 400),
     "echo": ("completions", {"prompt": "Hi", "echo": True}, 400),
+    "chat echo": ("chat", chat_body(echo=True), 400),
+    "tool_choice required": ("chat", chat_body(tool_choice="required"), 400),
     "n too many": ("completions", {"prompt": "Hi", "n": MAX_N + 1}, 400),
     "empty stop string": ("chat", chat_body(stop=[""]), 400),
     "two constraints": ("chat", chat_body(guided_regex="a+", guided_choice=["a"]), 400),
@@ -534,6 +536,7 @@ def test_fields_we_lack_are_accepted_when_off(url):
     """A client that sends vLLM's or OpenAI's defaults explicitly gets its answer."""
     off = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     off |= {"logit_bias": {}, "min_tokens": 0, "tools": [], "top_logprobs": 0, "bogus": 1}
+    off |= {"tool_choice": "auto", "echo": False}
     resp = httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=4, **off))
     assert resp.status_code == 200, resp.text
 
