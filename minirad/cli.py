@@ -39,8 +39,9 @@ Inputs, the same rules for both commands:
 - Every model minirad loads is a VLM: a request without an image runs, with a warning on
   stderr (the course's tiny model was trained on image questions only).
 - Images are checked before the model loads: a missing path, a directory, a file that is
-  not an image, or an image above PIL's decompression-bomb limit
-  (``PIL.Image.MAX_IMAGE_PIXELS``, about 89 M pixels) is refused.
+  not a PNG, JPEG, WebP, GIF or BMP image, an image above PIL's decompression-bomb limit
+  (``PIL.Image.MAX_IMAGE_PIXELS``, about 89 M pixels) or one whose sides differ by more than
+  200 times is refused (:mod:`minirad.media`).
 
 ``generate`` prints the answer on stdout and its finish reason on stderr, as vLLM and the
 OpenAI API report it: ``stop`` (a stop token) or ``length`` (``--max-new-tokens`` reached,
@@ -55,13 +56,12 @@ import argparse
 import json
 import socket
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from .argtypes import positive_int, prompt_text, sampling_arg
+from .argtypes import non_negative_float, positive_int, prompt_text, sampling_arg
 from .errors import GrammarError, ImageError, InvalidArgumentError, MiniradError, RequestError
 from .sampling_params import SamplingParams
 from .vllm_server import DEFAULT_MODEL_DIR
@@ -75,7 +75,6 @@ __all__ = [
     "chat_prompt",
     "chat_template",
     "check_image",
-    "check_image_pixels",
     "check_model_dir",
     "check_prompt",
     "cut_note",
@@ -135,29 +134,39 @@ def chat_template(processor, messages: Sequence[dict]) -> str:
     items (one ``<image>`` placeholder per image item, in order).
 
     Raises:
-        RequestError: the processor has no chat template (``minirad generate`` / ``batch``:
-            pass ``--raw``; ``minirad serve``: use ``/v1/completions``).
+        RequestError: no messages; the processor has no chat template (``minirad generate`` /
+            ``batch``: pass ``--raw``; ``minirad serve``: use ``/v1/completions``); or the
+            template refuses the messages (its ``raise_exception``, a role it does not know).
     """
     if getattr(processor, "chat_template", None) is None:
         raise RequestError(
             "the model's processor has no chat template; pass --raw (minirad serve: use "
             "/v1/completions with a templated prompt)"
         )
-    return processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    if not messages:
+        raise RequestError("give at least one message")
+    try:
+        return processor.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+    except Exception as e:  # Jinja's TemplateError, or what the template's code raised
+        raise RequestError(f"the chat template cannot render these messages: {e}") from e
 
 
 def check_image(path: Path, where: str = "", written: str | None = None) -> None:
     """Refuse an image that the engine could not read, before the model loads (seconds).
 
-    Only the header is read (``PIL.Image.open`` is lazy). The message starts with ``where``
-    (``"requests.jsonl:3: "``) and shows the path as ``written`` (default ``str(path)``) and,
-    if that differs, as resolved.
+    Only the header is read (:func:`minirad.media.probe_image`). The message starts with
+    ``where`` (``"requests.jsonl:3: "``) and shows the path as ``written`` (default
+    ``str(path)``) and, if that differs, as resolved.
 
     Raises:
-        ImageError: ``path`` is missing, a directory, not an image PIL can identify, or has
-            more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (PIL's decompression-bomb limit:
-            decoding it takes tens of seconds and the model downsizes it anyway).
+        ImageError: ``path`` is missing, a directory or another non-regular file (a FIFO
+            would block the reader), not a PNG, JPEG, WebP, GIF or BMP image, or refused by
+            :func:`minirad.media.check_image_size` (too many pixels, too thin).
     """
+    from .media import probe_image  # Pillow: only the commands that read images need it
+
     written = str(path) if written is None else written
     shown = repr(written)
     if str(path.resolve()) != written:
@@ -166,38 +175,12 @@ def check_image(path: Path, where: str = "", written: str | None = None) -> None
         raise ImageError(f"{where}image {shown} is a directory, not an image file")
     if not path.exists():
         raise ImageError(f"{where}image {shown} not found")
-    check_image_pixels(path, shown, where)
-
-
-def check_image_pixels(source: Path | BinaryIO, shown: str, where: str = "") -> None:
-    """Refuse an image PIL cannot identify or that is too large, from its header only: the
-    part of :func:`check_image` that a file object (an image sent over HTTP) needs too.
-    ``shown`` names the image in the message (``"'a.png'"``), ``where`` prefixes it.
-
-    Raises:
-        ImageError: not an image PIL can identify, or more pixels than
-            ``PIL.Image.MAX_IMAGE_PIXELS``.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    limit = Image.MAX_IMAGE_PIXELS
-    too_big = f"downscale it first; minirad reads images up to {limit:,} pixels"
+    if not path.is_file():
+        raise ImageError(f"{where}image {shown} is not a regular file")
     try:
-        with warnings.catch_warnings():
-            # PIL warns above the limit and raises above twice it: we refuse both, in words.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(source) as img:
-                width, height = img.size
-    except Image.DecompressionBombError as e:
-        raise ImageError(f"{where}image {shown} has over {2 * limit:,} pixels: {too_big}") from e
-    except UnidentifiedImageError as e:  # its message names the file object, not the image
-        raise ImageError(f"{where}cannot read image {shown}: not an image file") from e
-    except OSError as e:
-        raise ImageError(f"{where}cannot read image {shown}: not an image file ({e})") from e
-    if limit is not None and width * height > limit:
-        raise ImageError(
-            f"{where}image {shown} is {width}x{height} ({width * height:,} pixels): {too_big}"
-        )
+        probe_image(path, shown).close()
+    except ImageError as e:
+        raise ImageError(f"{where}{e}") from e
 
 
 def check_model_dir(model: str | Path) -> Path:
@@ -662,6 +645,9 @@ def _serve(args: argparse.Namespace) -> int:
     # vLLM serves a model under its --model string; the shipped one under its folder name
     # (its default path is absolute, different on every machine).
     name = args.served_model_name or args.model or DEFAULT_MODEL_DIR.name
+    # /server_info and /v1/models show the model path as the user gave it, and the shipped
+    # model's by its name: never the server's own folders.
+    shown_path = args.model or DEFAULT_MODEL_DIR.name
     args.model = args.model or str(DEFAULT_MODEL_DIR)
     check_model_dir(args.model)
     if not Path(args.allowed_local_media_path).is_dir():
@@ -669,8 +655,8 @@ def _serve(args: argparse.Namespace) -> int:
             f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a folder"
         )
     events = {
-        "kv_events_endpoint": args.kv_events_endpoint,
-        "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
+        "kv_events_endpoint": _kv_events_endpoint(args.kv_events_endpoint),
+        "kv_events_replay_endpoint": _kv_events_endpoint(args.kv_events_replay_endpoint),
     }
     if args.kv_events_block_size is not None:
         events["kv_events_block_size"] = args.kv_events_block_size
@@ -690,10 +676,18 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_name=name,
-        model_path=args.model,
+        model_path=shown_path,
         allowed_local_media_path=args.allowed_local_media_path,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     return 0
+
+
+def _kv_events_endpoint(value: str | None) -> str | None:
+    """A bare port means that port on loopback (``"5557"``: ``"tcp://127.0.0.1:5557"``)."""
+    if value is not None and value.isdigit():
+        return f"tcp://127.0.0.1:{value}"
+    return value
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -825,21 +819,36 @@ def build_parser() -> argparse.ArgumentParser:
         "started in; '/' allows any readable path)",
     )
     s.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C, how long requests in flight may take to finish; then they "
+        "end with a 503 and the server exits",
+    )
     _add_engine_options(s)
     events = s.add_argument_group(
-        "KV events", "publish the radix tree's blocks as vLLM KV events over ZMQ (off by default)"
+        "KV events",
+        "publish the radix tree's blocks as vLLM KV events over ZMQ (off by default). The "
+        "events carry every cached prompt's token ids: a loopback address keeps them on this "
+        "machine, while '*' as the host (tcp://*:5557, vLLM's example) listens on every "
+        "network interface, for anyone who can reach the port.",
     )
     events.add_argument(
         "--kv-events-endpoint",
         default=None,
         metavar="URL",
-        help="PUB socket, e.g. tcp://*:5557 (vLLM's KVEventsConfig.endpoint)",
+        help="PUB socket (vLLM's KVEventsConfig.endpoint): a port alone (5557) or "
+        "tcp://127.0.0.1:5557 listens on loopback, tcp://127.0.0.1:* on a free loopback port "
+        "(printed at start); another host is connected to, as vLLM does",
     )
     events.add_argument(
         "--kv-events-replay-endpoint",
         default=None,
         metavar="URL",
-        help="replay ROUTER socket, e.g. tcp://*:5558 (vLLM's replay_endpoint)",
+        help="replay ROUTER socket (vLLM's replay_endpoint), always listened on: a port alone "
+        "(5558) or tcp://127.0.0.1:5558 on loopback",
     )
     events.add_argument(
         "--kv-events-block-size",

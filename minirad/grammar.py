@@ -31,6 +31,7 @@ Three choices, each measured or read from the engines:
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 
 import llguidance
@@ -43,6 +44,7 @@ from .sampling_params import SamplingParams
 
 __all__ = [
     "JSON_DEFAULTS",
+    "MAX_GRAMMAR_CHARS",
     "Grammar",
     "GrammarCompiler",
     "GrammarLogitsProcessor",
@@ -50,6 +52,9 @@ __all__ = [
     "apply_token_bitmask",
 ]
 
+# The longest constraint compiled, in characters of its JSON schema, regex or choice list
+# (JSON): a grammar's size bounds its compile time and memory.
+MAX_GRAMMAR_CHARS = 100_000
 # llguidance's JSON options (``JsonCompileOptions``): compact JSON, as json.dumps writes it.
 JSON_DEFAULTS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -119,7 +124,8 @@ class Grammar:
         """
         was_stopped = self._matcher.is_stopped()
         if not self._matcher.consume_token(token_id):
-            raise GrammarError(f"token {token_id} is not allowed by the {self.kind} grammar here")
+            why = f" ({_one_line(self._matcher.get_error())})" if self._matcher.is_error() else ""
+            raise GrammarError(f"token {token_id} is not allowed by the {self.kind} grammar{why}")
         self.num_accepted += 1
         self._num_unrecorded += was_stopped
         self.stopped = token_id in self.stop_token_ids
@@ -176,9 +182,17 @@ class Grammar:
 
 def _one_line(message: str) -> str:
     """llguidance's error without its echo of the grammar source (the lines from ``1 | ...``
-    on), on one line: what the user wrote and what is wrong with it."""
+    or its parser state from ``<state>`` on), on one line: what the user wrote and what is
+    wrong with it."""
     lines = [line.strip() for line in message.splitlines()]
-    end = next((i for i, line in enumerate(lines) if line[:1].isdigit() and " | " in line), None)
+    end = next(
+        (
+            i
+            for i, line in enumerate(lines)
+            if line[:1].isdigit() and " | " in line or line.startswith("<state>")
+        ),
+        None,
+    )
     return " ".join(line for line in lines[:end] if line and set(line) != {"^"})[:300]
 
 
@@ -200,6 +214,9 @@ class GrammarCompiler:
             raise InvalidArgumentError("structured output needs a fast Hugging Face tokenizer")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # compile() runs on any thread (a server compiles off its engine thread): the caches
+        # are read and written under this lock; the compiling itself runs outside it.
+        self._lock = threading.Lock()
         self._ll_tokenizers: dict[tuple[int, ...], llguidance.LLTokenizer] = {}
         self._compiled: dict[tuple, llguidance.LLMatcher] = {}
         self.num_compiled = 0  # distinct grammars compiled
@@ -216,35 +233,68 @@ class GrammarCompiler:
         if kind is None:
             raise InvalidArgumentError("these sampling parameters have no grammar")
         stop = tuple(stop_token_ids)
+        if bad := [t for t in stop if not 0 <= t < self.vocab_size]:
+            raise GrammarError(f"stop token ids {bad} are outside the vocabulary")
         key = (*params.grammar_key, stop)
-        template = self._compiled.get(key)
-        if template is None:
-            template = llguidance.LLMatcher(
-                self._ll_tokenizer(stop), _grammar_text(params), log_level=0
+        if len(key[1]) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(
+                f"the {kind} is {len(key[1]):,} characters long; the server compiles at most "
+                f"{MAX_GRAMMAR_CHARS:,}"
             )
-            if template.is_error():
-                raise GrammarError(f"invalid {kind}: {_one_line(template.get_error())}")
-            # A grammar whose first state allows no token (a regex of an empty character class)
-            # would leave a request nothing to sample: refuse it here, not mid-step.
-            start = allocate_token_bitmask(1, self.vocab_size)
-            template.unsafe_compute_mask_ptr(start.data_ptr(), start.numel() * 4)
-            if template.is_error() or not start.any():
-                raise GrammarError(f"the {kind} allows no text: no token can start it")
-            self._compiled[key] = template
-            self.num_compiled += 1
-        else:
-            self.num_cache_hits += 1
+        with self._lock:
+            template = self._compiled.get(key)
+            self.num_cache_hits += template is not None
+        if template is None:
+            template = self._build(params, kind, stop)
+            with self._lock:
+                self._compiled[key] = template
+                self.num_compiled += 1
         return Grammar(template.deep_copy(), kind, stop)
 
+    def _build(
+        self, params: SamplingParams, kind: str, stop: tuple[int, ...]
+    ) -> llguidance.LLMatcher:
+        """A checked matcher for ``params``' constraint.
+
+        Raises:
+            GrammarError: the grammar does not compile, allows no text, or is too complex for
+                llguidance's limits (found by a trial of its first token, on a copy).
+        """
+        template = llguidance.LLMatcher(
+            self._ll_tokenizer(stop), _grammar_text(params), log_level=0
+        )
+        if template.is_error():
+            raise GrammarError(f"invalid {kind}: {_one_line(template.get_error())}")
+        # A grammar whose first state allows no token (a regex of an empty character class)
+        # would leave a request nothing to sample: refuse it here, not mid-step.
+        start = allocate_token_bitmask(1, self.vocab_size)
+        template.unsafe_compute_mask_ptr(start.data_ptr(), start.numel() * 4)
+        if template.is_error() or not start.any():
+            raise GrammarError(f"the {kind} allows no text: no token can start it")
+        # Some limits (parser items per row, lexer states) are met only when a token is taken:
+        # take the first forced or allowed one on a copy, so that such a grammar is refused
+        # now, with its reason, rather than failing its request at the first step.
+        trial = template.deep_copy()
+        first = trial.compute_ff_tokens()[:1] or [_first_allowed(start)]
+        if not trial.consume_token(first[0]) and trial.is_error():
+            raise GrammarError(
+                f"the {kind} is too complex to enforce: {_one_line(trial.get_error())}"
+            )
+        return template
+
     def _ll_tokenizer(self, stop: tuple[int, ...]) -> llguidance.LLTokenizer:
-        if stop not in self._ll_tokenizers:
+        with self._lock:
+            found = self._ll_tokenizers.get(stop)
+        if found is None:
             # With no stop token the grammar still needs an end token; a request without
             # stop tokens finishes when its grammar terminates (Request.append_output_token_id).
             eos = list(stop) or [self.tokenizer.eos_token_id or 0]
-            self._ll_tokenizers[stop] = llguidance.hf.from_tokenizer(
+            found = llguidance.hf.from_tokenizer(
                 self.tokenizer, n_vocab=self.vocab_size, eos_token=eos
             )
-        return self._ll_tokenizers[stop]
+            with self._lock:
+                self._ll_tokenizers[stop] = found
+        return found
 
 
 def _grammar_text(params: SamplingParams) -> str:
@@ -254,8 +304,20 @@ def _grammar_text(params: SamplingParams) -> str:
         return matcher.grammar_from_json_schema(params.json_schema, defaults=JSON_DEFAULTS)
     if params.regex is not None:
         return matcher.grammar_from_regex(params.regex)
-    # Each choice is one literal alternative (Lark string literals are JSON strings).
-    return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    # One lexeme whose alternatives are the choices (Lark string literals are JSON strings):
+    # the lexer takes any number of them, where one grammar rule of N alternatives meets
+    # llguidance's limit of 2000 items per parser row.
+    return matcher.grammar_from_lark(
+        "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice)
+    )
+
+
+def _first_allowed(bitmask: torch.Tensor) -> int:
+    """The lowest token id a one-row bitmask allows."""
+    words = bitmask[0]
+    w = int(torch.nonzero(words).flatten()[0])
+    word = int(words[w]) & 0xFFFFFFFF
+    return 32 * w + ((word & -word).bit_length() - 1)
 
 
 class GrammarLogitsProcessor(transformers.LogitsProcessor):

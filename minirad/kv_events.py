@@ -399,6 +399,9 @@ class KVEventSubscriber:
             seq goes backwards.
         topic: the topic prefix to subscribe to (vLLM's default is ``""``).
         schema: ``"vllm"`` or ``"sglang"`` (see :func:`decode_frames`).
+        name: what the notices call the server ("minirad serve answering at ..."); by default
+            the schema's engine, ``"vLLM"`` or ``"SGLang"``, since other servers speak their
+            wire formats too.
         replay_timeout_s: how long a replay request may stay unanswered before the endpoint is
             reported as not answering.
         probe_interval_s: how often the replay endpoint is asked for what came after the last
@@ -434,6 +437,7 @@ class KVEventSubscriber:
         topic: str = "",
         schema: Literal["vllm", "sglang"] = "vllm",
         *,
+        name: str | None = None,
         replay_timeout_s: float = 1.0,
         probe_interval_s: float = 2.0,
     ) -> None:
@@ -445,7 +449,7 @@ class KVEventSubscriber:
         self.schema = schema
         self.replay_timeout_s = replay_timeout_s
         self.probe_interval_s = probe_interval_s
-        self._name = _ENGINE_NAMES[schema]
+        self._name = _ENGINE_NAMES[schema] if name is None else name
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -826,9 +830,18 @@ class KVEventSubscriber:
 
 
 # ---------------------------------------------------------------------------------- publisher
+_LOOPBACK_HOSTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+
+
 def _binds(endpoint: str) -> bool:
-    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the others."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the others; and, unlike
+    vLLM, bind a loopback address too (``tcp://127.0.0.1:5557``), so that a fixed port can
+    listen on this machine alone, where vLLM's rule offers only ``*``, every interface."""
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith(("ipc://", "inproc://", *_LOOPBACK_HOSTS))
+    )
 
 
 class KVEventPublisher:
@@ -837,9 +850,10 @@ class KVEventPublisher:
     ``ZmqEventPublisher`` does (module docstring).
 
     Args:
-        endpoint: PUB address. Bound if it contains ``*`` (``"tcp://*:5557"``, or
-            ``"tcp://127.0.0.1:*"`` for a free port), ``::``, or is ipc/inproc; connected
-            otherwise (to a bound subscriber or proxy), as vLLM does.
+        endpoint: PUB address. Bound if it is a loopback address (``"tcp://127.0.0.1:5557"``,
+            or ``"tcp://127.0.0.1:*"`` for a free port), contains ``*`` (``"tcp://*:5557"``:
+            every network interface) or ``::``, or is ipc/inproc; connected otherwise (to a
+            bound subscriber or proxy), as vLLM does.
         replay_endpoint: ROUTER address, always bound (``"tcp://127.0.0.1:*"`` for a free
             port), or None for no replay.
         topic: the topic frame of every message.
@@ -887,7 +901,10 @@ class KVEventPublisher:
             if replay_endpoint is not None:
                 self._router = ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
-                self._router.setsockopt(zmq.SNDHWM, 0)  # never drop part of a replay
+                # One peer's queue holds one whole replay at most: a peer that asks and
+                # never reads cannot grow the server (sends past it fail, see _serve_replay).
+                self._router.setsockopt(zmq.SNDHWM, buffer_size + 1)
+                self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._router.bind(replay_endpoint)
                 self.replay_endpoint = _connectable(self._router)
         except zmq.ZMQError as e:
@@ -973,11 +990,12 @@ class KVEventPublisher:
                 identity, start = frames[0], int.from_bytes(frames[2], "big")
                 with self._lock:
                     todo = [(s, p) for s, p in self._buffer if s >= start]
-                for s, payload in todo:
-                    router.send_multipart(
-                        [identity, b"", self.topic, s.to_bytes(8, "big"), payload]
-                    )
-                router.send_multipart([identity, b"", b"", END_SEQ, b""])
+                messages = [[identity, b"", self.topic, s.to_bytes(8, "big"), p] for s, p in todo]
+                try:
+                    for message in [*messages, [identity, b"", b"", END_SEQ, b""]]:
+                        router.send_multipart(message, zmq.NOBLOCK)
+                except zmq.ZMQError as e:  # its queue is full (it does not read), or it left
+                    log.warning("dropped the rest of a replay to a peer: %s", e)
         finally:
             router.close(linger=0)
 

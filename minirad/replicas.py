@@ -116,8 +116,8 @@ class MiniradWorker(ServerProcess):
         page_size: tokens per KV page. 32 by default, vLLM's CPU block size, so that our
             hit rates count whole blocks as vLLM's do.
         num_kv_slots: the KV pool, in tokens.
-        kv_events: publish vLLM KV events: a PUB socket bound on all interfaces
-            (``tcp://*:PORT``, vLLM's rule for binding) and a replay ROUTER on 127.0.0.1.
+        kv_events: publish vLLM KV events: a PUB socket and a replay ROUTER, both bound on
+            127.0.0.1 (the events carry every prompt's token ids: they stay on this machine).
         extra_args: more ``minirad serve`` arguments.
 
     Attributes:
@@ -147,8 +147,7 @@ class MiniradWorker(ServerProcess):
         self.num_kv_slots = num_kv_slots
         self.kv_events_endpoint = self.replay_endpoint = None
         if kv_events:
-            self._pub_port = free_port()
-            self.kv_events_endpoint = f"tcp://127.0.0.1:{self._pub_port}"
+            self.kv_events_endpoint = f"tcp://127.0.0.1:{free_port()}"
             self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.extra_args = tuple(extra_args)
 
@@ -157,7 +156,7 @@ class MiniradWorker(ServerProcess):
         cmd += ["--served-model-name", self.model_name, "--port", str(self.port)]
         cmd += ["--page-size", str(self.page_size), "--num-kv-slots", str(self.num_kv_slots)]
         if self.kv_events_endpoint is not None:
-            cmd += ["--kv-events-endpoint", f"tcp://*:{self._pub_port}"]
+            cmd += ["--kv-events-endpoint", self.kv_events_endpoint]
             cmd += ["--kv-events-replay-endpoint", self.replay_endpoint]
             cmd += ["--kv-events-block-size", str(VLLM_BLOCK_SIZE)]
         return cmd + list(self.extra_args)

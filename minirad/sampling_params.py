@@ -15,7 +15,10 @@ from typing import Any
 
 from .errors import GrammarError, RequestError
 
-__all__ = ["SamplingParams"]
+__all__ = ["SAMPLING_EPS", "SamplingParams"]
+
+# Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,10 @@ class SamplingParams:
     """How to pick each next token and when to stop (vLLM / SGLang ``SamplingParams``).
 
     Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it before
-            sampling.
+        temperature: 0 means greedy (argmax), and so does any value below
+            :data:`SAMPLING_EPS` (vLLM's rule: dividing by a temperature that float32 holds as
+            0, such as 1e-46, would give NaN probabilities); otherwise logits are divided by
+            it before sampling.
         top_k: keep only the ``top_k`` most likely tokens (0: all).
         top_p: keep the smallest set of most likely tokens whose probability reaches
             ``top_p`` (nucleus sampling; 1.0: all).
@@ -32,15 +37,18 @@ class SamplingParams:
             the other requests in the batch. None: the engine draws a seed from its own.
         max_new_tokens: stop after this many generated tokens (>= 1).
         stop_token_ids: stop after generating one of these (the stop token is kept in the
-            output ids, as HF ``generate`` does). None: the model's EOS
+            output ids, as HF ``generate`` does, and left out of the text unless
+            ``include_stop_str_in_output``, as vLLM does). None: the model's EOS
             (``generation_config.eos_token_id``); ``()``: never stop on a token.
         stop: stop when the output text contains one of these strings (vLLM's ``stop``). The
             text is cut before it (``include_stop_str_in_output``: after it); the token ids
-            keep every sampled token. The engine checks after each step, on the decoded text,
-            so a string that a step's tokens complete ends the request in that step; streamed
+            end with the token that completed it. The engine checks after each step, on the
+            decoded text, so a string that a step's tokens complete ends the request in that
+            step (a grammar's forced run stops short of it, so it is sampled alone); streamed
             text holds back its last ``max(len(s)) - 1`` characters until it cannot start a
             stop string. A str is one stop string.
-        include_stop_str_in_output: keep the stop string at the end of the text.
+        include_stop_str_in_output: keep the stop string, or the stop token's text, at the
+            end of the text.
         json_schema: constrain the output to JSON valid against this schema (a dict, or its
             JSON text), written compactly (:data:`minirad.grammar.JSON_DEFAULTS`).
         regex: constrain the output to a full match of this regular expression (Rust
@@ -156,5 +164,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature below :data:`SAMPLING_EPS`, or
+        top_k 1)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

@@ -4,17 +4,27 @@ Routers (sglang-router, vllm-router), benchmark clients and the ``openai`` Pytho
 this API to vLLM and SGLang; a server that answers the same requests in the same shapes slots
 into the same setups. The web stack is vLLM's: FastAPI on uvicorn.
 
-Two threads share the work::
+Three kinds of threads share the work::
 
-    HTTP handlers (asyncio)                            engine thread (owns the LLMEngine)
-      parse the request, build the prompt     --add-->   add_request (tokenize, images, grammar)
-      await outputs: one asyncio.Queue per    <--ack--   the rid, or the typed error it raised
-        request, fed with call_soon_threadsafe <--out--  step() while there is work; blocks on
-      client gone / stream closed             --abort->    its inbox when idle (no spinning)
+    HTTP handlers (asyncio)        input threads (2)              engine thread (the LLMEngine)
+      parse and check the body
+      --------------------------->  read + decode pictures,
+                                    chat template; then
+                                    process_inputs: tokenize,
+                                    preprocess, compile grammar
+      <---------------------------  (or a 400; 10 s at most)
+      --add (EngineCoreRequest)---------------------------------->  add_request
+      <--ack: the rid, or the typed error it raised---------------
+      await outputs: one asyncio.Queue per request  <--out-------  step() while there is work;
+        (call_soon_threadsafe)                                      blocks on its inbox when
+      client gone / stream closed  --abort----------------------->  idle (no spinning)
 
-Only the engine thread touches the engine; after each step it stores a snapshot of the
-counters, which ``/metrics`` reads (before it hands out that step's outputs, so a client that
-got its answer scrapes counters that include it).
+Only the engine thread touches the engine, and nothing a client sends is read, decoded or
+compiled there: one request's big picture or grammar holds up nobody's step. After each step
+it stores a snapshot of the counters, which ``/metrics`` reads (before it hands out that
+step's outputs, so a client that got its answer scrapes counters that include it). No request
+ends that thread: a failure in a step ends the requests it belongs to (finish reason
+``"error"``: a 500 without internals, or an error event in a stream) and the engine goes on.
 
 Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
 
@@ -22,8 +32,9 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
   ``content`` a string or a list of ``{"type": "text", "text": ...}`` and ``{"type":
   "image_url", "image_url": {"url": ...}}`` parts, kept in order). An image URL is a
   ``data:image/...;base64,...`` URL, or a local file path (plain or ``file://``, relative to
-  the server's working folder, under ``allowed_local_media_path`` if set); http(s) URLs are
-  refused (nothing is fetched over the network).
+  the server's working folder, under ``allowed_local_media_path`` if set: a regular file,
+  opened once and checked); http(s) URLs are refused (nothing is fetched over the network).
+  PNG, JPEG, WebP, GIF and BMP pictures are read, of a sane size (:mod:`minirad.media`).
 - ``POST /v1/completions``: ``prompt`` as text (sent as written, no chat template) or one list
   of token ids.
 - Both: ``max_tokens`` (chat: also ``max_completion_tokens``; default: until the context is
@@ -66,9 +77,13 @@ Endpoints (vLLM's request and response fields, ``vllm/entrypoints/openai/``):
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
 ``BadRequestError`` for a request the engine refuses (every typed error of
-:mod:`minirad.errors`: malformed JSON, a bad field, an unreadable image, a grammar that does
-not compile...), 404 ``NotFoundError`` for a model name this server does not serve (or a
-path it does not have), 405 for a wrong method.
+:mod:`minirad.errors`: malformed JSON, a bad field, text that is not valid Unicode, an
+unreadable image, a grammar that does not compile or is too big...), 404 ``NotFoundError``
+for a model name this server does not serve (or a path it does not have), 405 for a wrong
+method, 413 for a body over :data:`MAX_BODY_BYTES`, 503 while shutting down or once the
+engine has stopped, and 500 ``InternalServerError`` for a bug (the log has the traceback; the
+body shows none of it). Messages name files relative to the media folder and never show the
+server's own folders.
 
 Example::
 
@@ -82,9 +97,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import io
 import json
 import logging
 import queue
@@ -93,6 +105,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -102,15 +115,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .cli import chat_template, check_image, check_image_pixels
-from .engine import EngineStats, GenerateRequest, LLMEngine, RequestOutput
+from .cli import chat_template
+from .engine import EngineCoreRequest, EngineStats, GenerateRequest, LLMEngine, RequestOutput
 from .errors import GrammarError, ImageError, MiniradError, RequestError
+from .media import MediaFolder, decode_data_url, open_image
 from .sampling_params import SamplingParams
 
 __all__ = [
@@ -129,12 +143,74 @@ log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------ the protocol
 MAX_N = 64  # choices per request (n): each is an engine request, so bound what one client asks
+# Longest a request's inputs may take to process (pictures read and preprocessed, grammar
+# compiled), on the input threads: past it the request gets a 400 and the server goes on.
+INPUT_TIMEOUT_S = 10.0
+# The largest request body read (413 past it): a data URL of MAX_IMAGE_BYTES, base64'd, fits.
+MAX_BODY_BYTES = 64 * 2**20
+SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM: how long requests in flight may take to finish
+
+
+MAX_JSON_DEPTH = 64  # nesting of a request body: deeper is refused before anything reads it
 
 
 class _Model(BaseModel):
     # Fields minirad does not read are ignored, as vLLM ignores them (it logs them); the
     # ones that would change the answer are refused (_SamplingFields.check_supported).
     model_config = ConfigDict(extra="ignore")
+
+
+class _Body(_Model):
+    """A request body: its text must be valid Unicode, and its nesting sane, everywhere."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_body(cls, data: Any) -> Any:
+        _check_json(data)
+        return data
+
+
+def _check_json(data: Any) -> None:
+    """Refuse, with where it is, a string (or key) holding a lone surrogate (``"\\ud800"``
+    is valid JSON but no Unicode text: a tokenizer, a regex compiler or a UTF-8 encoder fails
+    on it) and nesting deeper than :data:`MAX_JSON_DEPTH` (every reader after this one walks
+    the value recursively). Iterative: the check itself does not recurse.
+
+    Raises:
+        PydanticCustomError: ``invalid_text``, with the path in ``ctx["where"]``.
+    """
+    stack: list[tuple[Any, tuple]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise PydanticCustomError(
+                "invalid_text",
+                "{where} is nested deeper than " + str(MAX_JSON_DEPTH) + " levels",
+                {"where": ".".join(map(str, path[:3])) + "..."},
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    _check_text(key, path)
+                stack.append((item, (*path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path)
+
+
+def _check_text(text: str, path: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = ".".join(map(str, path)) or "body"
+        raise PydanticCustomError(
+            "invalid_text",
+            "{where} holds a lone surrogate ("
+            + ascii(text[e.start])
+            + ") at character {at}: send valid Unicode text",
+            {"where": where, "at": e.start},
+        ) from None
 
 
 class TextPart(_Model):
@@ -181,7 +257,7 @@ class StructuredOutputs(_Model):
     json_object: bool | None = None
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(_Body):
     """What both endpoints read besides the prompt (OpenAI's names, vLLM's extensions)."""
 
     model_config = ConfigDict(extra="allow")  # kept, for check_supported to look at
@@ -320,17 +396,17 @@ class CompletionRequest(_SamplingFields):
     }
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_Body):
     """The body of ``POST /tokenize``: a ``prompt`` (text or token ids, as for completions) or
     chat ``messages`` (rendered by the chat template with the assistant header, as for chat
     completions), not both."""
 
     model: str | None = None
     prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Body):
     """The body of ``POST /detokenize``."""
 
     model: str | None = None
@@ -342,8 +418,30 @@ def error_body(message: str, type_: str, code: int, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message that quotes what a
+    client sent always encodes (Starlette's UTF-8 encoding fails on a lone surrogate)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status, param), status_code=status)
+    return _ASCIIJSONResponse(error_body(message, type_, status, param), status_code=status)
+
+
+INTERNAL_ERROR = "internal server error: the server's log has the details"
+
+
+def failure_body(error: BaseException) -> dict:
+    """The error body of a request that failed: the request's own fault (a typed
+    :class:`~minirad.errors.MiniradError`) is a 400 that says what is wrong; a shutdown or a
+    stopped engine a 503; anything else a 500 that shows no internals (they are logged)."""
+    if isinstance(error, MiniradError):
+        return error_body(" ".join(str(error).split()), "BadRequestError", 400)
+    if isinstance(error, EngineDeadError):
+        return error_body(str(error), "ServiceUnavailableError", 503)
+    return error_body(INTERNAL_ERROR, "InternalServerError", 500)
 
 
 class _NotFound(Exception):
@@ -351,7 +449,17 @@ class _NotFound(Exception):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an unexpected error; the server answers 503."""
+    """The engine thread has stopped (or the server is shutting down); the server answers
+    503."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request the engine ended with finish reason ``"error"`` (its ``error`` is the
+    cause): the engine goes on, the request's client gets the error."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        super().__init__(repr(error))
+        self.error = error
 
 
 # --------------------------------------------------------------------------- the engine thread
@@ -425,15 +533,30 @@ class AsyncLLMEngine:
     """An :class:`~minirad.engine.LLMEngine` run by its own thread, for asyncio callers
     (vLLM v0's ``AsyncLLMEngine``: a background loop over the engine's ``step``).
 
-    :meth:`start` starts the thread; :meth:`add_request` (from an event loop) returns a
+    :meth:`start` starts the thread; :meth:`add_request` (from an event loop) processes the
+    requests' inputs on a worker thread (:meth:`LLMEngine.process_inputs`: tokens, pictures,
+    grammar; never on the engine thread, whose steps every client waits on) and returns a
     :class:`RequestStream`; :meth:`shutdown` stops the thread after its current step and
     closes the engine's KV-event sockets. :attr:`snapshot` is an :class:`EngineSnapshot`.
+
+    No request can stop the thread: what fails inside a step ends the requests it belongs to
+    (:meth:`LLMEngine.step`), and should the step itself raise, every request in flight ends
+    with the error and the thread goes on once the engine's invariants hold
+    (:meth:`_recover`).
+
+    Args:
+        engine: the engine; only the engine thread touches it from :meth:`start` on.
+        input_timeout_s: longest an input may take to process (a 400 after that).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    input_workers = 2  # threads processing inputs: the machine's cores, for our 2
+
+    def __init__(self, engine: LLMEngine, input_timeout_s: float = INPUT_TIMEOUT_S) -> None:
         self.engine = engine
+        self.input_timeout_s = input_timeout_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands; None: stop
         self._thread = threading.Thread(target=self._run, name="minirad-engine", daemon=True)
+        self.inputs: Executor = ThreadPoolExecutor(self.input_workers, "minirad-inputs")
         self._channels: dict[str, _Channel] = {}  # the engine thread's only
         self._prompt_tokens = self._generation_tokens = 0
         self._finished: Counter[str] = Counter()
@@ -447,24 +570,48 @@ class AsyncLLMEngine:
         if self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join()
+        self.inputs.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    async def add_request(self, requests: Sequence[GenerateRequest]) -> RequestStream:
-        """Queue ``requests`` (their ``rid`` set: one API request's choices) in the engine, in
-        one go between two steps; returns their outputs.
+    async def run_off_thread(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        """``fn(*args)`` on an input thread, within :attr:`input_timeout_s`.
 
         Raises:
-            MiniradError: what :meth:`LLMEngine.add_request` raised for one of them (then none
-                is queued).
+            RequestError: it took longer (``what`` names it in the message; the thread
+                finishes it and the result is dropped).
+            Exception: what ``fn`` raised.
+        """
+        future = asyncio.get_running_loop().run_in_executor(self.inputs, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.input_timeout_s)
+        except TimeoutError:
+            raise RequestError(
+                f"{what} took longer than {self.input_timeout_s:g} s; send less"
+            ) from None
+
+    async def add_request(self, requests: Sequence[GenerateRequest]) -> RequestStream:
+        """Process ``requests`` (their ``rid`` set: one API request's choices) off the engine
+        thread, then queue them in the engine, in one go between two steps; returns their
+        outputs.
+
+        Raises:
+            MiniradError: what :meth:`LLMEngine.process_inputs` or
+                :meth:`LLMEngine.add_request` raised for one of them (then none is queued);
+                a RequestError if processing took longer than :attr:`input_timeout_s`.
             EngineDeadError: the engine thread has stopped.
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+
+        def process() -> list[EngineCoreRequest]:
+            return [self.engine.process_inputs(r) for r in requests]
+
+        processed = await self.run_off_thread(process, what="processing the prompt and images")
         channel = _Channel(asyncio.get_running_loop())
-        self._inbox.put(("add", requests, channel))
+        self._inbox.put(("add", processed, channel))
         try:
             ack = await channel.queue.get()
         except asyncio.CancelledError:  # the client left before the engine took them
@@ -478,6 +625,12 @@ class AsyncLLMEngine:
     def abort(self, rid: str) -> None:
         """Abort request ``rid`` (thread-safe; nothing happens if it has finished)."""
         self._inbox.put(("abort", rid))
+
+    def fail_in_flight(self, message: str) -> None:
+        """End every request in flight now with an :class:`EngineDeadError` of ``message``
+        (thread-safe): their clients get a 503 (a stream, an error event) instead of waiting.
+        A server shutting down calls it when its grace period is over."""
+        self._inbox.put(("fail", message))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)`` run on the engine thread between two steps (only that thread
@@ -531,7 +684,11 @@ class AsyncLLMEngine:
                         return
                     self._handle(command, replies)
                 if engine.has_unfinished_requests():
-                    for out in engine.step():
+                    try:
+                        outs = engine.step()
+                    except Exception as e:
+                        outs = self._recover(e)
+                    for out in outs:
                         self._count(out)
                         channel = self._channels.get(out.rid)
                         if out.finished:
@@ -541,7 +698,7 @@ class AsyncLLMEngine:
                 self.snapshot = self._snapshot()
                 for channel, item in replies:
                     channel.put(item)
-        except Exception as e:  # a bug, not a bad request: fail every request, stay answering
+        except Exception as e:  # the engine cannot go on: fail every request, stay answering
             log.exception("the engine thread failed")
             self.error = EngineDeadError(f"the engine has stopped: {e!r}")
             for channel, _ in replies:  # acks and refusals of this round never went out
@@ -551,6 +708,23 @@ class AsyncLLMEngine:
             for channel in self._channels.values():  # shut down with requests in flight
                 channel.put(EngineDeadError("the server is shutting down"))
             engine.close()
+
+    def _recover(self, error: Exception) -> list[RequestOutput]:
+        """After a step raised: every request in flight ends with ``error`` (their new KV is
+        dropped, not cached), then the engine's invariants are checked.
+
+        Raises:
+            Exception: ``error`` again, if the engine is not whole after that (the thread
+                then stops, and the server answers 503).
+        """
+        log.exception("a step failed; every request in flight ends with its error")
+        outs = self.engine.fail_unfinished(error)
+        try:
+            self.engine.check_invariants()
+        except Exception:
+            log.exception("the engine is not whole after the failed step")
+            raise error from None
+        return outs
 
     def _handle(self, command: tuple, replies: list) -> None:
         kind, *args = command
@@ -574,13 +748,21 @@ class AsyncLLMEngine:
                 replies.append((channel, fn(self.engine)))
             except Exception as e:  # the handler raises it
                 replies.append((channel, e))
+        elif kind == "fail":
+            error = EngineDeadError(args[0])
+            for rid, channel in list(self._channels.items()):
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._finished[out.finish_reason] += 1
+                replies.append((channel, error))
+            self._channels.clear()
         elif self._channels.pop(args[0], None) is not None:  # "abort" of an unfinished request
             out = self.engine.abort_request(args[0])
             if out is not None:
                 self._finished[out.finish_reason] += 1
 
     def _count(self, out: RequestOutput) -> None:
-        if len(out.new_token_ids) == len(out.token_ids):  # its first output
+        if len(out.new_token_ids) == len(out.token_ids) and out.token_ids:  # its first output
             self._prompt_tokens += out.stats.prompt_tokens
         self._generation_tokens += len(out.new_token_ids)
         if out.finished:
@@ -680,53 +862,36 @@ class _VLLMMetrics:
             "Count of successfully processed requests.",
             labels=[*names, "finished_reason"],
         )
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             success.add_metric([*self.labels, reason], snapshot.finished.get(reason, 0))
         yield success
 
 
 # ---------------------------------------------------------------------------------- the inputs
-def _image(url: str, allowed_root: Path | None) -> Image.Image | str:
-    """An image part's URL as what the engine takes: a decoded PIL image (a data URL) or a
-    checked file path.
+def _image(url: str, media: MediaFolder) -> Any:
+    """An image part's URL as a decoded, checked PIL image: a ``data:`` URL, or a file in the
+    media folder (a path, plain or ``file://``, relative to the server's working folder).
+    Runs on an input thread (:meth:`AsyncLLMEngine.run_off_thread`).
 
     Raises:
-        ImageError: a malformed data URL, a network URL, a path outside ``allowed_root``, or
-            an image :func:`~minirad.cli.check_image` refuses.
+        ImageError: a malformed data URL, a network URL, a path outside the folder, or no
+            readable picture (:mod:`minirad.media`).
     """
     if url.startswith("data:"):
-        header, comma, payload = url.partition(",")
-        if not comma or not header.endswith(";base64"):
-            raise ImageError("an image data URL must be data:image/<format>;base64,<data>")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except binascii.Error as e:
-            raise ImageError(f"the image data URL is not valid base64: {e}") from e
-        check_image_pixels(io.BytesIO(data), "in the data URL")
-        try:
-            image = Image.open(io.BytesIO(data))
-            image.load()  # decode here: a truncated image fails now, not in the engine's step
-        except (OSError, ValueError) as e:
-            raise ImageError(f"cannot decode the image in the data URL: {e}") from e
-        return image
+        return open_image(decode_data_url(url), "in the data URL")
     if not url:
         raise ImageError("an image_url must not be empty: send a data: URL or a local path")
     if url.startswith(("http://", "https://")):
         raise ImageError(
             "this server fetches no images over the network: send a data: URL or a local path"
         )
-    path = Path(url.removeprefix("file://"))
-    if allowed_root is not None and not path.resolve().is_relative_to(allowed_root):
-        raise ImageError(f"image {url!r} is outside the allowed media folder {str(allowed_root)!r}")
-    check_image(path)
-    return str(path)
+    name = url.removeprefix("file://")
+    return open_image(media.read(name), media.shown(name))
 
 
-def _chat_messages(
-    messages: Sequence[ChatMessage], allowed_root: Path | None
-) -> tuple[list[dict], list]:
+def _chat_messages(messages: Sequence[ChatMessage], media: MediaFolder) -> tuple[list[dict], list]:
     """The messages in HF's chat format (an ``{"type": "image"}`` item per image part, in
-    order) and their images."""
+    order) and their images, read and decoded."""
     converted, images = [], []
     for message in messages:
         content: Any = message.content or ""
@@ -737,7 +902,7 @@ def _chat_messages(
                     items.append({"type": "text", "text": part.text})
                 else:
                     url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-                    images.append(_image(url, allowed_root))
+                    images.append(_image(url, media))
                     items.append({"type": "image"})
             content = items
         converted.append({"role": message.role, "content": content})
@@ -798,6 +963,9 @@ async def _final_outputs(stream: RequestStream, request: Request) -> list[Reques
     async def last() -> list[RequestOutput]:
         outs = {}
         async for i, out in stream:
+            if out.finish_reason == "error":  # the whole answer fails: the others stop too
+                stream.abort()
+                raise RequestFailedError(out.error)
             if out.finished:
                 outs[i] = out
         return [outs[i] for i in sorted(outs)]
@@ -829,12 +997,10 @@ def build_app(
     which runs the lifespan). ``model_path`` is ``/v1/models``' ``root`` (default: the name);
     ``allowed_local_media_path`` restricts image file paths to one folder (vLLM's flag;
     default here: any path the server can read; ``minirad serve``'s default: its working
-    folder).
+    folder); only regular files in it are read (:class:`~minirad.media.MediaFolder`).
     """
     async_engine = AsyncLLMEngine(engine)
-    allowed_root = None
-    if allowed_local_media_path is not None:
-        allowed_root = Path(allowed_local_media_path).resolve()
+    media = MediaFolder(allowed_local_media_path or "/")
     generation = engine.vlm.model.generation_config.to_diff_dict()
     defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation}
     registry = CollectorRegistry()
@@ -847,7 +1013,7 @@ def build_app(
         yield
         async_engine.shutdown()
 
-    app = FastAPI(title="minirad", lifespan=lifespan)
+    app = FastAPI(title="minirad", lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
     app.state.engine = async_engine
 
     @app.exception_handler(RequestValidationError)
@@ -863,6 +1029,9 @@ def build_app(
         ):
             message = "the request body must be a JSON object, sent as application/json"
             return _error(400, message, "BadRequestError")
+        if first.get("type") == "invalid_text":  # _check_json: the message names the place
+            where = first["ctx"]["where"]
+            return _error(400, first["msg"], "BadRequestError", where)
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None  # after "body"
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
@@ -893,10 +1062,26 @@ def build_app(
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(503, str(exc), "ServiceUnavailableError")
 
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        body = failure_body(exc.error)
+        return _ASCIIJSONResponse(body, status_code=body["error"]["code"])
+
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:
-        # A bug, not a bad request (Starlette logs the traceback after this answer).
-        return _error(500, f"internal error: {exc!r}", "InternalServerError")
+        # A bug, not a bad request (Starlette logs the traceback after this answer); the body
+        # shows no internals.
+        return _error(500, INTERNAL_ERROR, "InternalServerError")
+
+    async def chat_prompt(messages: Sequence[ChatMessage]) -> tuple[str, list]:
+        """The chat template's prompt for ``messages`` and their images, read and decoded on
+        an input thread (never the event loop's, never the engine's)."""
+
+        def render() -> tuple[str, list]:
+            converted, images = _chat_messages(messages, media)
+            return chat_template(engine.processor, converted), images
+
+        return await async_engine.run_off_thread(render, what="reading the images")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -953,14 +1138,18 @@ def build_app(
                         yield _sse(chunk | {"choices": [opening]})
                 last: dict[int, RequestOutput] = {}
                 async for i, out in stream:
+                    if out.finish_reason == "error":  # the request failed: say so, and stop
+                        raise RequestFailedError(out.error)
                     last[i] = out
                     if out.new_text or out.finished:
                         yield _sse(chunk | {"choices": [delta_choice(i, out)]})
                 if include_usage:
                     usage = _usage([last[i] for i in sorted(last)])
                     yield _sse(chunk | {"choices": [], "usage": usage})
-            except Exception as e:  # the engine failed mid-stream: say so in the stream
-                yield _sse(error_body(str(e), type(e).__name__, 500))
+            except RequestFailedError as e:
+                yield _sse(failure_body(e.error))
+            except Exception as e:  # the engine stopped, or the server is shutting down
+                yield _sse(failure_body(e))
             yield _sse("[DONE]")
 
         return _EventStream(chunks(), stream)
@@ -1006,8 +1195,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        messages, images = await asyncio.to_thread(_chat_messages, body.messages, allowed_root)
-        prompt = chat_template(engine.processor, messages)
+        prompt, images = await chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens
         max_tokens = body.max_tokens if max_tokens is None else max_tokens
         rid, stream = await submit(prompt, images, body, max_tokens)
@@ -1040,22 +1228,26 @@ def build_app(
             raise RequestError("give a prompt or messages, one of the two")
         prompt, images = body.prompt, []
         if body.messages is not None:
-            messages, images = await asyncio.to_thread(_chat_messages, body.messages, allowed_root)
-            prompt = chat_template(engine.processor, messages)
+            prompt, images = await chat_prompt(body.messages)
         # The ids a completion of the same prompt is computed from (images expanded).
-        ids = await async_engine.call(
-            lambda e: e.input_processor.process(prompt, images).prompt_token_ids
+        processed = await async_engine.run_off_thread(
+            engine.input_processor.process, prompt, images, what="processing the prompt"
         )
+        ids = processed.prompt_token_ids
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
-
-        def decode(e: LLMEngine) -> str:
-            return e.tokenizer.decode(e.input_processor.process(body.tokens).prompt_token_ids)
-
-        return {"prompt": await async_engine.call(decode)}
+        if bad := [t for t in body.tokens if not 0 <= t < engine.vocab_size][:5]:
+            raise RequestError(f"token ids must be in 0..{engine.vocab_size - 1}, got {bad}")
+        if engine.tokenizer is None:
+            raise RequestError("this server has no tokenizer to detokenize with")
+        # Any ids, placeholders of images included (/tokenize gives those), as vLLM does.
+        text = await async_engine.run_off_thread(
+            engine.tokenizer.decode, body.tokens, what="detokenizing"
+        )
+        return {"prompt": text}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -1090,13 +1282,42 @@ def run_server(
     served_model_name: str,
     model_path: str | None = None,
     allowed_local_media_path: str | Path | None = None,
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
     log_level: str = "info",
 ) -> None:
-    """Serve ``engine`` over HTTP until interrupted (uvicorn; see :func:`build_app`)."""
+    """Serve ``engine`` over HTTP until interrupted (uvicorn; see :func:`build_app`).
+
+    SIGTERM or SIGINT stops taking connections and gives the requests in flight
+    ``shutdown_timeout_s`` to finish (uvicorn's ``timeout_graceful_shutdown``); just before
+    that runs out, those still running end with a 503 (a stream: an error event), and what
+    is left (a client that never finished sending its request) is cut. The process exits
+    within the timeout, whatever its clients do.
+    """
     app = build_app(
         engine,
         served_model_name,
         model_path=model_path,
         allowed_local_media_path=allowed_local_media_path,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+    )
+    asyncio.run(_serve(uvicorn.Server(config), app.state.engine, shutdown_timeout_s))
+
+
+async def _serve(server: uvicorn.Server, engine: AsyncLLMEngine, grace_s: float) -> None:
+    async def end_in_flight() -> None:
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(max(grace_s - 0.5, 0.0))
+        engine.fail_in_flight("the server is shutting down")
+
+    watcher = asyncio.create_task(end_in_flight())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()

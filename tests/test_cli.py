@@ -351,7 +351,7 @@ def test_bad_image_paths_say_what_they_are(tiny_dir, tmp_path, capsys):
     argv = ["generate", "--model", str(root / "nowhere"), "--prompt", "w10", "--image"]
     for image, message in [
         (tmp_path, "is a directory, not an image file"),
-        (tmp_path / "notes.png", "not an image file"),
+        (tmp_path / "notes.png", "is not a readable image (PNG, JPEG, WebP, GIF or BMP)"),
     ]:
         assert main(argv + [str(image)]) == 2
         err = capsys.readouterr().err
@@ -567,6 +567,19 @@ def test_batch_help_describes_the_jsonl_fields_and_every_flag():
     for field, what in JSONL_FIELDS.items():
         assert [ln for ln in lines if ln.split()[:1] == [field]] == [f"  {field:<14}  {what}"]
     assert all(a.help for a in batch._actions), [a.dest for a in batch._actions if not a.help]
+
+
+def test_serve_help_says_what_a_wildcard_host_exposes_and_a_bare_port_is_loopback():
+    """``--help`` suggested ``tcp://*:5557``, which publishes every prompt's token ids on
+    every interface. It now says what ``*`` exposes, and a bare port binds loopback."""
+    from minirad.cli import _kv_events_endpoint
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = " ".join(serve.format_help().split())
+    assert "every network interface" in text and "loopback" in text
+    assert _kv_events_endpoint("5557") == "tcp://127.0.0.1:5557"
+    assert _kv_events_endpoint("tcp://*:5557") == "tcp://*:5557"  # as written: the user chose it
+    assert _kv_events_endpoint(None) is None
 
 
 # ---------------------------------------------------------------- structured output

@@ -364,7 +364,21 @@ def test_stop_tokens_and_context_limit(llava):
     )
     assert out.token_ids == hf_stop == ref[: ref.index(stop) + 1]
     assert out.finish_reason == "stop"
-    assert out.text == words(out.token_ids)  # an ordinary stop token stays in the text
+    # vLLM's rule: the stop token's text is left out of the answer (vllm #2538), unless
+    # include_stop_str_in_output; the ids keep it either way.
+    assert out.text == words(out.token_ids[:-1]) and words([stop])
+    (kept,) = engine.generate(
+        [
+            GenerateRequest(
+                text,
+                images,
+                SamplingParams(
+                    max_new_tokens=8, stop_token_ids=[stop], include_stop_str_in_output=True
+                ),
+            )
+        ]
+    )
+    assert kept.token_ids == out.token_ids and kept.text == words(out.token_ids)
     assert_idle(engine)
     model.generation_config.eos_token_id = stop  # the default stop ids: the model's EOS
     try:
@@ -482,6 +496,17 @@ def test_top_k_top_p_agree_with_hf_warpers():
             ours = apply_top_p(logits, p)
             hf = TopPLogitsWarper(p)(None, logits[None])[0]
             assert torch.equal(ours.isinf(), hf.isinf())
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_value_float32_holds_as_zero_samples_the_argmax(field):
+    """1e-46 is 0 in float32: dividing the logits by it, or a nucleus of mass 0, gave NaN
+    probabilities and killed the engine thread. Below vLLM's 1e-5 a temperature is greedy,
+    and top-p keeps the most likely token whatever p is."""
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.9])
+    params = SamplingParams(**{"temperature": 1.0, field: 1e-46})
+    g = torch.Generator().manual_seed(0)
+    assert [sample_one(logits, params, g) for _ in range(20)] == [1] * 20
 
 
 def test_temperature_sampling_follows_the_softmax():

@@ -295,12 +295,66 @@ def test_publisher_answers_replay_as_vllm_does():
     assert decoded[0][2] == KVEventBatch(2.0, [stored(2)], 0)
 
 
-def test_publisher_connects_without_a_wildcard():
-    """vLLM's rule: ``tcp://127.0.0.1:PORT`` connects (to a bound subscriber or proxy)."""
+def test_a_peer_that_asks_for_replays_and_never_reads_cannot_grow_the_server():
+    """3000 replay requests from a peer that reads nothing grew the server by 50 MB: each
+    answer queued without bound. Now one peer's queue holds one replay at most, the rest is
+    dropped, and a peer that reads still gets its whole replay."""
+    psutil = pytest.importorskip("psutil")
+    me = psutil.Process()
+    with KVEventPublisher(ANY_PORT, ANY_PORT, buffer_size=100) as pub:
+        for i in range(100):
+            pub.publish([BlockStored([i], None, list(range(256)), 256, medium="GPU")])
+        greedy = zmq.Context.instance().socket(zmq.DEALER)
+        greedy.setsockopt(zmq.RCVHWM, 1)
+        greedy.connect(pub.replay_endpoint)
+        before = me.memory_info().rss
+        for _ in range(3000):
+            greedy.send_multipart([b"", (0).to_bytes(8, "big")])
+        grown = 0
+        for _ in range(60):  # while the server answers them (a bound in rounds, not time)
+            time.sleep(0.05)
+            grown = max(grown, me.memory_info().rss - before)
+        reader = zmq.Context.instance().socket(zmq.DEALER)
+        reader.connect(pub.replay_endpoint)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while reader.poll(5000):
+            frames = reader.recv_multipart()
+            if frames[2] == END_SEQ:
+                break
+            seqs.append(int.from_bytes(frames[2], "big"))
+        greedy.close(linger=0)
+        reader.close(linger=0)
+    assert seqs == list(range(100))
+    assert grown < 30 * 2**20, f"the server grew by {grown / 2**20:.0f} MB"
+
+
+def test_a_loopback_address_listens_on_loopback_alone():
+    """Unlike vLLM's rule (only ``*`` binds, on every interface), ``tcp://127.0.0.1:PORT``
+    binds: a fixed port that only this machine can reach."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with KVEventPublisher(f"tcp://127.0.0.1:{port}") as pub:
+        assert pub.endpoint == f"tcp://127.0.0.1:{port}"
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)
+        for _ in range(100):
+            pub.publish([AllBlocksCleared()])
+            if sub.poll(50):
+                break
+        assert decode_frames(sub.recv_multipart())[2].events == [AllBlocksCleared()]
+        sub.close(linger=0)
+
+
+def test_publisher_connects_to_an_address_neither_wildcard_nor_loopback():
+    """vLLM's rule: ``tcp://HOST:PORT`` connects (to a bound subscriber or proxy); 0.0.0.0 is
+    neither ``*`` nor a loopback address, and connecting to it reaches this machine."""
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     port = sub.bind_to_random_port("tcp://127.0.0.1")
-    with KVEventPublisher(f"tcp://127.0.0.1:{port}") as pub:
+    with KVEventPublisher(f"tcp://0.0.0.0:{port}") as pub:
         for _ in range(100):
             pub.publish([AllBlocksCleared()])
             if sub.poll(50):

@@ -26,8 +26,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from servers import serving
 
 from minirad.cli import chat_prompt
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
@@ -68,21 +68,8 @@ def reference() -> LLMEngine:
 def url():
     """A server on a free 127.0.0.1 port, in a thread; its base URL."""
     engine = LLMEngine.from_pretrained(shipped_model())
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(engine, NAME, model_path="tiny-path"), log_level="warning")
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + PATIENCE_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join()
-    sock.close()
+    with serving(build_app(engine, NAME, model_path="tiny-path")) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

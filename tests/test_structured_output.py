@@ -9,6 +9,7 @@ constrained tokens as Hugging Face ``generate()`` with :class:`GrammarLogitsProc
 Every engine run checks ``engine.check_invariants()`` after every step.
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -466,8 +467,9 @@ def test_jump_forward_text_equals_hf(vlm, cases, alone):
 
 def test_a_broken_grammar_aborts_its_request_not_the_engine(vlm, cases):
     """A matcher that enters an error state mid-generation (here: fed a token it forbids, through
-    the public accept_token) ends its own request with finish reason "abort"; the engine keeps
-    its invariants and serves the next request as if nothing happened."""
+    the public accept_token) ends its own request with finish reason "error" (vLLM's
+    FINISHED_ERROR) and the grammar's error; the engine keeps its invariants and serves the
+    next request as if nothing happened."""
     eng = make_engine(vlm)
     name, request = cases[0]
     expected = run(eng, [request])[0].token_ids
@@ -478,7 +480,26 @@ def test_a_broken_grammar_aborts_its_request_not_the_engine(vlm, cases):
     with pytest.raises(GrammarError):
         grammar.accept_token(1)  # <|im_start|>: never allowed in the answer
     outs = [o for o in eng.step() if o.rid == rid]
-    assert [o.finish_reason for o in outs] == ["abort"]
+    assert [o.finish_reason for o in outs] == ["error"]
+    assert isinstance(outs[0].error, GrammarError)
     assert not eng.has_unfinished_requests()
     eng.check_invariants()
     assert run(eng, [request])[0].token_ids == expected
+
+
+@pytest.mark.parametrize("stop", ['"colour"', '"shape"'])
+def test_a_stop_string_a_forced_run_completes_ends_ids_text_and_usage_there(
+    engine, engine_nojf, vlm, stop
+):
+    """A stop string inside a forced run (the first one, before any sampling: '"colour"'; one
+    after a sampled colour: '"shape"') ends the token ids where it ends the text, as without
+    jump-forward (vllm PR #47616: the ids and usage used to run past it)."""
+    params = dataclasses.replace(JSON_PARAMS, stop=[stop])
+    request = GenerateRequest(chat(vlm[1], JSON_PROMPT), [IMAGES[0]], params)
+    (jumped,) = run(engine, [request])
+    (stepped,) = run(engine_nojf, [request])
+    assert jumped.finish_reason == stepped.finish_reason == "stop"
+    assert jumped.token_ids == stepped.token_ids and jumped.text == stepped.text
+    decode = vlm[1].tokenizer.decode
+    assert stop in decode(jumped.token_ids) and stop not in decode(jumped.token_ids[:-1])
+    assert jumped.stats.forced_tokens < len(jumped.token_ids)

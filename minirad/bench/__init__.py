@@ -16,6 +16,9 @@
 - ``replicas``: real workers (``minirad serve``, vLLM) behind the real routers
   (sglang-router, vllm-router): hit rate, requests per worker, throughput, per policy and
   client concurrency (:mod:`minirad.bench.replicas`, :mod:`minirad.replicas`).
+- ``load``: ``minirad serve`` (or any OpenAI-compatible server) under closed-loop load, half
+  the requests with a fresh picture: req/s, p50 / p99 latency, and the text-only requests'
+  p99 (:mod:`minirad.bench.load`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands, importing only the one it runs (``engine`` pulls in
@@ -41,6 +44,8 @@ _COMMANDS = {  # subcommand (= module name) -> help
     "routing": "router policies over N simulated replicas (radix caches): hit rate, balance",
     "replicas": "real workers behind the real sglang-router / vllm-router: hit rate, balance, "
     "req/s",
+    "load": "a running server under closed-loop load, half the requests with fresh pictures: "
+    "req/s, p50 / p99 latency",
 }
 
 

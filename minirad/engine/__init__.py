@@ -17,7 +17,14 @@ from .encoder_cache import EncoderCache
 from .engine import EngineConfig, EngineStats, LLMEngine
 from .model_runner import ModelRunner
 from .processing import ImageItem, ImageSegment, InputProcessor, ProcessedPrompt, load_image
-from .request import GenerateRequest, Request, RequestOutput, RequestStats, RequestStatus
+from .request import (
+    EngineCoreRequest,
+    GenerateRequest,
+    Request,
+    RequestOutput,
+    RequestStats,
+    RequestStatus,
+)
 from .sampling import apply_top_k, apply_top_p, sample, sample_one
 from .scheduler import (
     POLICIES,
@@ -32,6 +39,7 @@ __all__ = [
     "POLICIES",
     "PREFIX_STRATEGIES",
     "EncoderCache",
+    "EngineCoreRequest",
     "EngineConfig",
     "EngineStats",
     "GenerateRequest",

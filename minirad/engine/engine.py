@@ -26,7 +26,9 @@ engine never changes torch's global settings, so set it in the calling program.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 
@@ -43,11 +45,13 @@ from ..vllm_env import VLLM_BLOCK_SIZE
 from .encoder_cache import EncoderCache
 from .model_runner import PREFETCH_LOOKAHEAD, ModelRunner
 from .processing import InputProcessor
-from .request import GenerateRequest, Request, RequestOutput, RequestStatus
+from .request import EngineCoreRequest, GenerateRequest, Request, RequestOutput, RequestStatus
 from .sampling import sample
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,7 @@ class LLMEngine:
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
         )
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first grammar
+        self._grammar_lock = threading.Lock()  # process_inputs may run on several threads
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self._next_rid = 0
         self._stats = EngineStats()
@@ -221,17 +226,21 @@ class LLMEngine:
         return cls(model, processor, **kwargs)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request: GenerateRequest | str) -> str:
-        """Process and queue a request; it runs from the next :meth:`step`. Returns its rid.
+    def process_inputs(self, request: GenerateRequest | str) -> EngineCoreRequest:
+        """Tokenize the prompt, load and preprocess its images, resolve its stop tokens and
+        compile its grammar: an :class:`EngineCoreRequest` for :meth:`add_request`.
+
+        Thread-safe, and touches no engine state but the input and grammar caches: a server
+        calls it off the engine thread, so that one request's big picture or grammar holds up
+        nobody's step (vLLM runs its input processor in the API server process).
 
         Raises:
-            RequestError: empty prompt, prompt too long for the context, duplicate rid, bad
-                ids, or a request that could never fit in the KV pool.
-            GrammarError: its json_schema / regex / choice does not compile (the message says
-                why), or the engine has no tokenizer to compile it with.
-            ImageError: an image is missing or unreadable, or the images do not match the
-                prompt's placeholders.
-            Nothing is queued when it raises.
+            RequestError: not a request; empty prompt, bad ids, a text too long to fit; stop
+                token ids outside the vocabulary.
+            GrammarError: its json_schema / regex / choice does not compile, or is too big
+                or too complex (the message says why); the engine has no tokenizer.
+            ImageError: an image is missing, unreadable or too large, or the images do not
+                match the prompt's placeholders.
         """
         if isinstance(request, str):
             request = GenerateRequest(request)
@@ -240,33 +249,58 @@ class LLMEngine:
         params = request.sampling_params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be SamplingParams, got {params!r}")
+        stop = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        if bad := [t for t in stop if t >= self.vocab_size]:
+            raise RequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        processed = self.input_processor.process(request.prompt, request.images)
+        grammar = None
+        if params.structured_output_kind is not None:
+            grammar = self.grammar_compiler.compile(params, stop)
+        return EngineCoreRequest(
+            request.rid, processed, params, tuple(stop), grammar, request.return_logits
+        )
+
+    def add_request(self, request: GenerateRequest | EngineCoreRequest | str) -> str:
+        """Queue a request (processing it first with :meth:`process_inputs` unless it is an
+        :class:`EngineCoreRequest`); it runs from the next :meth:`step`. Returns its rid.
+
+        Raises:
+            RequestError, GrammarError, ImageError: what :meth:`process_inputs` raises; a
+                duplicate rid, a prompt too long for the context, a request that could never
+                fit in the KV pool, an :class:`EngineCoreRequest` added before.
+            Nothing is queued when it raises.
+        """
+        if not isinstance(request, EngineCoreRequest):
+            request = self.process_inputs(request)
+        if request.added:
+            raise RequestError("this EngineCoreRequest was added already (its grammar is used)")
+        params = request.sampling_params
         rid = request.rid if request.rid is not None else self._new_rid()
         if rid in self.scheduler.requests:
             raise RequestError(f"request id {rid!r} is already in the engine")
-        processed = self.input_processor.process(request.prompt, request.images)
         generator = None
         if not params.greedy:
             seed = params.seed
             if seed is None:
                 seed = int(torch.randint(2**62, (), generator=self._generator))
             generator = torch.Generator().manual_seed(seed)
-        stop = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
-        grammar = None
-        if params.structured_output_kind is not None:
-            grammar = self.grammar_compiler.compile(params, stop)
+        processed = request.prompt
         req = Request(
             rid,
             processed.prompt_token_ids,
             params,
-            stop_token_ids=stop,
+            stop_token_ids=request.stop_token_ids,
             key_ids=processed.key_ids,
             images=processed.images,
             segments=processed.segments,
             generator=generator,
             return_logits=request.return_logits,
-            grammar=grammar,
+            grammar=request.grammar,
         )
         self.scheduler.add_request(req)
+        request.added = True
         # A grammar may force the first tokens ('{"shapes": [{"colour": "'): they join the
         # prompt's prefill, so requests with the same prompt share them in the tree too.
         self._jump_forward(req)
@@ -280,21 +314,42 @@ class LLMEngine:
         Raises:
             GrammarError: the engine has no tokenizer (token-id prompts only).
         """
-        if self._grammar_compiler is None:
-            if self.tokenizer is None:
-                raise GrammarError("structured output needs the model's tokenizer (processor)")
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
-        return self._grammar_compiler
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise GrammarError("structured output needs the model's tokenizer (processor)")
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            return self._grammar_compiler
 
     def _jump_forward(self, request: Request) -> None:
+        """Append the tokens the request's grammar forces next (:meth:`Request.jump_forward`),
+        up to but not including a token that would complete a stop string: that one is
+        sampled in the next step, which finishes the request on it, so token ids, text and
+        usage end where they end without jump-forward."""
         if not self.config.jump_forward or request.grammar is None:
             return
         start = request.num_tokens
         n = request.jump_forward(self.max_model_len)
+        if n and request.sampling_params.stop:
+            n -= self._forced_past_stop(request, n)
         if n:
             self._stats.forced_tokens += n
             if self.bus.active:
                 self.bus.emit(JumpForwardEvent(self.bus.tick(), request.rid, start, n))
+
+    def _forced_past_stop(self, request: Request, n: int) -> int:
+        """How many of the last ``n`` (forced) tokens were taken back because one of them
+        completes a stop string: that one and every one after it."""
+        ids, stops = request.output_ids, request.sampling_params.stop
+        if not any(s in self._decode(ids) for s in stops):
+            return 0
+        first = len(ids) - n
+        keep = next(
+            k for k in range(first, len(ids)) if any(s in self._decode(ids[: k + 1]) for s in stops)
+        )
+        dropped = len(ids) - keep
+        request.rollback_forced(dropped)
+        return dropped
 
     def _new_rid(self) -> str:
         while f"req-{self._next_rid}" in self.scheduler.requests:
@@ -314,34 +369,113 @@ class LLMEngine:
         self._detokenize(request)  # a grammar's forced tokens may have come since the step
         return self._make_output(request)
 
+    def fail_unfinished(self, error: Exception) -> list[RequestOutput]:
+        """End every unfinished request with ``error`` (finish reason ``"error"``), caching
+        none of their own KV: what a server does when a step raised outside any one request
+        (:meth:`step` handles the failures it can pin on requests itself). Their outputs."""
+        requests = list(self.scheduler.requests.values())
+        return [self._fail(r, error, keep_kv=False) for r in requests]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, update. Returns an output for every
-        request that got a token in this step (finished ones included)."""
+        request that got a token in this step (finished ones included).
+
+        A failure ends the requests it belongs to, never the engine: a forward pass that
+        raises is run again request by request, and those that fail alone end (their new KV,
+        perhaps never written, is not cached); sampling, a grammar, jump-forward or
+        detokenizing that raises for one request ends that request alone. Failed requests
+        come out with finish reason ``"error"`` and the exception in ``error``.
+        """
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished_requests():  # cannot happen: guards a busy loop
                 raise InvariantError("unfinished requests but nothing could be scheduled")
             return []
-        waiting = itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD)
-        logits = self.model_runner.execute_model(out, (im for r in waiting for im in r.images))
+        scheduled = out
+        out, logits, failed = self._execute(out)
+        if not out.scheduled:
+            self._emit_step(scheduled, [o.rid for o in failed])
+            return failed
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         requests = [out.scheduled[i].request for i in rows]
         chosen = logits[rows]  # a copy: the raw rows stay for return_logits
         self._apply_grammars(chosen, requests)
-        tokens = sample(
-            chosen, [r.sampling_params for r in requests], [r.generator for r in requests]
-        )
+        tokens = self._sample(chosen, requests)
         for row, request in zip(rows, requests, strict=True):
             if request.logits is not None:
                 request.logits.append(logits[row].float().clone())
         advanced = self.scheduler.update_from_output(out, tokens)
         for request in advanced:
-            self._jump_forward(request)
-            self._detokenize(request)
+            try:
+                self._jump_forward(request)
+                self._detokenize(request)
+            except Exception as e:
+                log.exception("request %s failed after its step", request.rid)
+                self._fail(request, e)
+        finished = [o.rid for o in failed] + [r.rid for r in advanced if r.is_finished]
+        self._emit_step(scheduled, finished)
+        st = self._stats
+        st.num_steps += 1
+        st.prefill_tokens += out.num_prefill_tokens
+        st.decode_tokens += out.num_decode_tokens
+        st.num_finished += sum(r.is_finished for r in advanced)
+        return failed + [self._make_output(r) for r in advanced]
+
+    def _execute(
+        self, out: SchedulerOutput
+    ) -> tuple[SchedulerOutput, torch.Tensor | None, list[RequestOutput]]:
+        """The step's forward pass: ``(out, logits, [])``. If it raises, each request runs
+        alone to find the one that fails (a request's KV slots are its own, so writing them
+        again is harmless): those end with the error, their new KV uncached, and the step
+        goes on with the others: ``(out without them, their logits, the failed outputs)``."""
+        waiting = itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD)
+        try:
+            upcoming = (im for r in waiting for im in r.images)
+            return out, self.model_runner.execute_model(out, upcoming), []
+        except Exception:
+            log.exception("a forward pass of %d request(s) failed", len(out.scheduled))
+        kept, rows, failed = [], [], []
+        for s in out.scheduled:
+            try:
+                rows.append(self.model_runner.execute_model(replace(out, scheduled=[s]))[0])
+                kept.append(s)
+            except Exception as e:
+                log.exception("request %s fails its forward pass", s.request.rid)
+                failed.append(self._fail(s.request, e, keep_kv=False))
+        logits = torch.stack(rows) if rows else None
+        return replace(out, scheduled=kept), logits, failed
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """One token per row of ``logits``. A row whose sampling raises fails its request (its
+        token, a placeholder, is then dropped by the scheduler)."""
+        try:
+            return sample(
+                logits, [r.sampling_params for r in requests], [r.generator for r in requests]
+            )
+        except Exception:  # find the row: sample them one by one
+            tokens = []
+            for row, request in zip(logits, requests, strict=True):
+                try:
+                    tokens += sample(row[None], [request.sampling_params], [request.generator])
+                except Exception as e:
+                    log.exception("sampling failed for request %s", request.rid)
+                    request.fail(e)
+                    tokens.append(0)
+            return tokens
+
+    def _fail(self, request: Request, error: Exception, keep_kv: bool = True) -> RequestOutput:
+        """End ``request`` with ``error`` (finish reason ``"error"``); its output."""
+        if not request.is_finished:  # else the scheduler has released it already
+            self.scheduler.finish_request(request.rid, keep_kv=keep_kv)
+            self._stats.num_finished += 1
+        request.fail(error)
+        return self._make_output(request)
+
+    def _emit_step(self, out: SchedulerOutput, finished: list[str]) -> None:
         t = self.bus.tick()
         if self.bus.active:
             sched = out.scheduled
@@ -354,15 +488,9 @@ class LLMEngine:
                     is_prefill=tuple(s.is_prefill for s in sched),
                     preempted=tuple(r.rid for r in out.preempted),
                     deferred=tuple(r.rid for r in out.deferred),
-                    finished=tuple(r.rid for r in advanced if r.is_finished),
+                    finished=tuple(finished),
                 )
             )
-        st = self._stats
-        st.num_steps += 1
-        st.prefill_tokens += out.num_prefill_tokens
-        st.decode_tokens += out.num_decode_tokens
-        st.num_finished += sum(r.is_finished for r in advanced)
-        return [self._make_output(r) for r in advanced]
 
     @staticmethod
     def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -375,11 +503,11 @@ class LLMEngine:
         for row, i in enumerate(constrained):
             try:
                 requests[i].grammar.fill_bitmask(bitmask, row)
-            except GrammarError:
-                # A matcher in an error state ends its own request (finish reason "abort",
-                # its sample dropped), never the engine (compile already refuses a grammar
-                # whose first state allows nothing).
-                requests[i].status = RequestStatus.FINISHED_ABORTED
+            except GrammarError as e:
+                # A matcher in an error state (past its resource limits, say) ends its own
+                # request, its sample dropped, never the engine (compile already refuses a
+                # grammar whose first state allows nothing).
+                requests[i].fail(e)
         rows = logits[constrained]
         apply_token_bitmask(rows, bitmask)
         logits[constrained] = rows
@@ -392,9 +520,15 @@ class LLMEngine:
 
         The whole text is searched each step: a stop string split across tokens, or across
         steps (a grammar's forced run), is found in the step that completes it. A request that
-        hit ``max_new_tokens`` in the same step still ends on the string, as "stop"."""
-        text = self._decode(request.output_ids)
+        hit ``max_new_tokens`` in the same step still ends on the string, as "stop".
+
+        A stop token's own text is left out, unless ``include_stop_str_in_output`` (vLLM's
+        rule: a stop token that is not a special token would otherwise show in the answer)."""
         params = request.sampling_params
+        ids = request.output_ids
+        if self._stopped_on_token(request) and not params.include_stop_str_in_output:
+            ids = ids[:-1]
+        text = self._decode(ids)
         found = [(i, s) for s in params.stop or () if (i := text.find(s)) >= 0]
         if found:
             i, s = min(found)
@@ -404,6 +538,14 @@ class LLMEngine:
             else:
                 self.scheduler.finish_request(request.rid, RequestStatus.FINISHED_STOPPED)
         request.output_text = text
+
+    @staticmethod
+    def _stopped_on_token(request: Request) -> bool:
+        return (
+            request.status is RequestStatus.FINISHED_STOPPED
+            and bool(request.output_ids)
+            and request.output_ids[-1] in request.stop_token_ids
+        )
 
     def _make_output(self, request: Request) -> RequestOutput:
         new_ids = request.output_ids[request.num_sent_tokens :]
@@ -431,6 +573,7 @@ class LLMEngine:
             finish_reason=request.status.finish_reason,
             stats=replace(request.stats),
             logits=torch.stack(request.logits) if request.logits else None,
+            error=request.error,
         )
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -23,6 +23,7 @@ scheduler:
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch
 from PIL import Image
 
 from ..errors import ImageError, RequestError
+from ..media import check_image_size, open_image
 from ..multimodal import hash_image, pad_value
 
 __all__ = ["ImageItem", "ImageSegment", "InputProcessor", "ProcessedPrompt", "load_image"]
@@ -79,21 +81,22 @@ class ProcessedPrompt:
 
 
 def load_image(image: Image.Image | str | os.PathLike) -> Image.Image:
-    """A decoded PIL image from an image or a file path.
+    """A decoded PIL image from an image or a file path (:func:`minirad.media.open_image`:
+    PNG, JPEG, WebP, GIF or BMP, of a sane size).
 
     Raises:
-        ImageError: not an image or a path; missing, unreadable or truncated file.
+        ImageError: not an image or a path; a missing, unreadable or truncated file, or one
+            :func:`~minirad.media.open_image` refuses.
     """
     if isinstance(image, Image.Image):
+        check_image_size(*image.size, "given")
         return image
     if not isinstance(image, str | os.PathLike):
         raise ImageError(f"expected a PIL image or a path, got {type(image).__name__}")
-    try:
-        img = Image.open(image)
-        img.load()  # decode now: a truncated file fails here, not in the middle of a step
-    except (OSError, ValueError) as e:
-        raise ImageError(f"cannot read image {os.fspath(image)!r}: {e}") from e
-    return img
+    shown = repr(os.fspath(image))
+    if not os.path.isfile(image):
+        raise ImageError(f"image {shown} not found (or not a file)")
+    return open_image(image, shown)
 
 
 class InputProcessor:
@@ -114,6 +117,9 @@ class InputProcessor:
     """
 
     max_cached_images = 256  # preprocessed images kept by hash
+    # Most pixels one image may have once the processor resized it (a 200:1 picture resized
+    # to a 336-pixel short side is 22 M pixels before the crop): refused above this.
+    max_processed_pixels = 2**25
 
     def __init__(
         self,
@@ -131,6 +137,9 @@ class InputProcessor:
         # Part of every image hash: the same file preprocessed differently is another image.
         self.preprocess_params = image_processor.to_dict() if image_processor else {}
         self.image_token = getattr(processor, "image_token", "<image>")
+        # process() runs on any thread (a server processes requests off its engine thread):
+        # the two caches below are shared, and read and written under this lock.
+        self._lock = threading.Lock()
         self._items: OrderedDict[str, ImageItem] = OrderedDict()  # by mm_hash, LRU
         # Expansion of one "<image>" by image (size, mode), and the tokenizer's ids for it.
         self._expansions: dict[tuple, tuple[int, ...]] = {}
@@ -214,19 +223,23 @@ class InputProcessor:
         result is kept by hash (vLLM's processor cache): a course asks many questions about
         one picture."""
         mm_hash = hash_image(image, **self.preprocess_params)
-        item = self._items.get(mm_hash)
-        if item is not None:
-            self._items.move_to_end(mm_hash)
-            return item
-        # The expansion depends on the image's size only (LLaVA: fixed; Idefics3: the tiling),
-        # so the full processor runs once per size; later images of that size need only the
-        # image processor (the text side of a processor call costs as much as the pixels).
-        expansion = self._expansions.get((image.size, image.mode))
+        with self._lock:
+            item = self._items.get(mm_hash)
+            if item is not None:
+                self._items.move_to_end(mm_hash)
+                return item
+            # The expansion depends on the image's size only (LLaVA: fixed; Idefics3: the
+            # tiling), so the full processor runs once per size; later images of that size need
+            # only the image processor (the text side of a processor call costs as much as the
+            # pixels).
+            expansion = self._expansions.get((image.size, image.mode))
+        self._check_processed_size(image)
         try:
             if expansion is None:
                 out = self.processor(text=self.image_token, images=[image], return_tensors="pt")
                 expansion = self._expansion(out["input_ids"][0].tolist())
-                self._expansions[(image.size, image.mode)] = expansion
+                with self._lock:
+                    self._expansions[(image.size, image.mode)] = expansion
             else:
                 out = self.processor.image_processor(images=[image], return_tensors="pt")
         except (ValueError, OSError) as e:
@@ -236,10 +249,30 @@ class InputProcessor:
         item = ImageItem(
             mm_hash, pad_value(mm_hash, self.vocab_size), num_tokens, pixel_inputs, expansion
         )
-        self._items[mm_hash] = item
-        if len(self._items) > self.max_cached_images:
-            self._items.popitem(last=False)
+        with self._lock:
+            self._items[mm_hash] = item
+            if len(self._items) > self.max_cached_images:
+                self._items.popitem(last=False)
         return item
+
+    def _check_processed_size(self, image: Image.Image) -> None:
+        """Refuse an image the processor would resize to more than
+        :attr:`max_processed_pixels` (a short side scaled up to the processor's
+        ``shortest_edge`` takes the long side with it).
+
+        Raises:
+            ImageError: the resized image would be that large.
+        """
+        size = getattr(getattr(self.processor, "image_processor", None), "size", None) or {}
+        width, height = image.size
+        if isinstance(size, dict) and size.get("shortest_edge"):
+            scale = size["shortest_edge"] / min(width, height)
+            width, height = round(width * scale), round(height * scale)
+        if width * height > self.max_processed_pixels:
+            raise ImageError(
+                f"a {image.size[0]}x{image.size[1]} image becomes {width}x{height} pixels in "
+                f"the model's processor, more than {self.max_processed_pixels:,}: crop it first"
+            )
 
     def _expansion(self, expanded: list[int]) -> tuple[int, ...]:
         """The ids one ``<image>`` became in ``expanded`` (the processor's ids for the text

@@ -1,10 +1,12 @@
 """A generation request: what the user asks for, the engine's state of it, and what comes back.
 
-Three objects, as in vLLM v1 (``vllm/v1/request.py``, ``vllm/outputs.py``) and SGLang
+Four objects, as in vLLM v1 (``vllm/v1/request.py``, ``vllm/outputs.py``) and SGLang
 (``GenerateReqInput``, ``Req`` in ``managers/schedule_batch.py``):
 
 - :class:`GenerateRequest` + :class:`~minirad.sampling_params.SamplingParams`: the user's
   input (prompt, images, how to sample, when to stop).
+- :class:`EngineCoreRequest`: the input processed (tokens, preprocessed images, compiled
+  grammar), ready to queue.
 - :class:`Request`: the engine's state of one request while it lives, one object as
   nano-vllm's ``Sequence``: a radix-cache :class:`~minirad.radix_cache.Req` (token ids, KV
   slots, locked prefix) extended with what the model and the scheduler need (the model's
@@ -16,6 +18,10 @@ Lifecycle::
     WAITING --schedule--> RUNNING --stop token / max_new_tokens / context--> FINISHED_*
        ^                     |
        +------ PREEMPTED <---+  (out of KV slots: KV released, recomputed later)
+
+A request that fails inside a step (its forward pass, its sampling, its grammar) ends as
+``FINISHED_ERROR`` with the exception in ``error`` (vLLM v1's ``FINISHED_ERROR``, finish reason
+``"error"``); the engine and the other requests go on.
 """
 
 from __future__ import annotations
@@ -29,15 +35,16 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from ..errors import RequestError
+from ..errors import GrammarError, RequestError
 from ..radix_cache import Req
 from ..sampling_params import SamplingParams
-from .processing import ImageItem, ImageSegment
+from .processing import ImageItem, ImageSegment, ProcessedPrompt
 
 if TYPE_CHECKING:
     from ..grammar import Grammar
 
 __all__ = [
+    "EngineCoreRequest",
     "GenerateRequest",
     "Request",
     "RequestOutput",
@@ -68,6 +75,26 @@ class GenerateRequest:
     return_logits: bool = False
 
 
+@dataclass(eq=False)
+class EngineCoreRequest:
+    """A request ready for the engine core (vLLM v1's ``EngineCoreRequest``): its prompt
+    tokenized and its images preprocessed (:class:`~minirad.engine.processing.ProcessedPrompt`),
+    its stop tokens resolved and its grammar compiled.
+
+    Made by :meth:`LLMEngine.process_inputs`, which touches no engine state, so a server runs it
+    off the engine thread (a big picture or grammar then holds up no one else's step); queued by
+    :meth:`LLMEngine.add_request`, once (its grammar is the request's own state).
+    """
+
+    rid: str | None
+    prompt: ProcessedPrompt
+    sampling_params: SamplingParams
+    stop_token_ids: tuple[int, ...]
+    grammar: Grammar | None = None
+    return_logits: bool = False
+    added: bool = False  # set by add_request: a second add is refused
+
+
 class RequestStatus(enum.Enum):
     """Where a request is in its lifecycle (vLLM v1 ``RequestStatus``)."""
 
@@ -77,6 +104,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -84,7 +112,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """``"stop"``, ``"length"``, ``"abort"`` or None (not finished)."""
+        """``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None (not finished)."""
         return _FINISH_REASONS.get(self)
 
 
@@ -92,6 +120,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -186,6 +215,7 @@ class Request(Req):
         self.grammar = grammar
         self.logits: list[torch.Tensor] | None = [] if return_logits else None
         self.status = RequestStatus.WAITING
+        self.error: Exception | None = None  # why it ended as FINISHED_ERROR
         self.stats = RequestStats(prompt_tokens=len(self.prompt_token_ids))
         self.output_text = ""  # output_ids decoded, cut at a stop string (the engine's)
         self.sent_text = ""  # text already returned (for streaming deltas)
@@ -216,20 +246,28 @@ class Request(Req):
         return self.status.is_finished
 
     # ------------------------------------------------------------------ generation
+    def fail(self, error: Exception) -> None:
+        """End the request with ``error`` (``FINISHED_ERROR``); the scheduler releases it."""
+        self.status = RequestStatus.FINISHED_ERROR
+        self.error = error
+
     def append_output_token_id(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token and finish the request if it should stop (vLLM's
         ``check_stop``): a stop token, a complete grammar without stop tokens (nothing may
         follow it), ``max_new_tokens`` reached, or the context full.
 
-        A request already finished (aborted during the step) drops the token.
-
-        Raises:
-            GrammarError: the request's grammar does not allow the token.
+        A request already finished (aborted or failed during the step) drops the token. A token
+        its grammar refuses (a matcher past its resource limits refuses every token) fails the
+        request (:meth:`fail`) rather than the step.
         """
         if self.is_finished:
             return
         if self.grammar is not None:
-            self.grammar.accept_token(token_id)
+            try:
+                self.grammar.accept_token(token_id)
+            except GrammarError as e:
+                self.fail(e)
+                return
         self.output_ids.append(token_id)
         if token_id in self.stop_token_ids or (
             self.grammar is not None and not self.stop_token_ids and self.grammar.is_terminated
@@ -265,6 +303,17 @@ class Request(Req):
         self.stats.forced_tokens += len(forced)
         return len(forced)
 
+    def rollback_forced(self, num_tokens: int) -> None:
+        """Take back the last ``num_tokens`` tokens of the last forced run (they have no KV
+        yet): the engine does so when the run would complete a stop string, so that the token
+        completing it is sampled in its own step, as without jump-forward."""
+        if not 0 <= num_tokens <= self.stats.forced_tokens:
+            raise RequestError(f"cannot take back {num_tokens} forced tokens")
+        if num_tokens:
+            self.grammar.rollback(num_tokens)
+            del self.output_ids[-num_tokens:]
+            self.stats.forced_tokens -= num_tokens
+
     def __repr__(self) -> str:
         return (
             f"Request(rid={self.rid!r}, status={self.status.value}, prompt={self.num_prompt_tokens}"
@@ -286,9 +335,12 @@ class RequestOutput:
             stop string): every ``new_text`` so far, joined.
         new_token_ids, new_text: what this step added (for streaming).
         finished: no more tokens will come.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None.
         stats: the request's :class:`RequestStats` (a snapshot).
         logits: ``[len(token_ids), vocab]`` raw next-token logits (fp32), if asked for.
+        error: with finish reason ``"error"``, what failed (a
+            :class:`~minirad.errors.MiniradError` when the request itself was at fault, such
+            as a grammar past its resource limits; any other exception is the engine's).
     """
 
     rid: str
@@ -301,3 +353,4 @@ class RequestOutput:
     finish_reason: str | None
     stats: RequestStats
     logits: torch.Tensor | None = None
+    error: Exception | None = None

@@ -36,8 +36,10 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
     probs = sorted_logits.softmax(-1)
-    # Drop a token if the tokens before it already reach p; the first one always stays.
+    # Drop a token if the tokens before it already reach p; the first one always stays, also
+    # when p is below float32's smallest number (1e-46 is 0 there, and 0 >= 0).
     drop = (probs.cumsum(-1) - probs) >= p
+    drop[0] = False
     return logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
 
 

@@ -204,17 +204,23 @@ class Scheduler:
         return min(total, self.config.max_model_len) - 1
 
     def finish_request(
-        self, rid: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+        self,
+        rid: str,
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+        *,
+        keep_kv: bool = True,
     ) -> Request | None:
-        """Finish a request now, with ``status`` (vLLM's ``finish_requests``: an abort, or a
-        stop string the engine found in its text); its computed KV stays in the tree.
-        Returns it (None if no such unfinished request)."""
+        """Finish a request now, with ``status`` (vLLM's ``finish_requests``: an abort, a stop
+        string the engine found in its text, or a failure). Its computed KV stays in the tree,
+        unless ``keep_kv`` is False: then its private slots are freed uncached (a step whose
+        forward pass failed left them unwritten). Returns it (None if no such unfinished
+        request)."""
         request = self.requests.pop(rid, None)
         if request is None:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._release(request, insert=True)
+            self._release(request, insert=keep_kv)
         else:
             self.waiting.remove(request)
         request.status = status
