@@ -45,11 +45,14 @@ dot:
 # Trusting the chapters (a signature in the user's Jupyter data folder; the files are left
 # alone) lets JupyterLab show their committed pictures and players before anything runs:
 # untrusted notebooks show no SVG and no widget. The server config saves a chapter whose cells
-# are unedited as the committed file, so running the course leaves `git status` clean.
+# are unedited as the committed file, so running the course leaves `git status` clean, and
+# turns off JupyterLab's news and update checks. The server's root is the repository (the
+# chapters send you to minirad/, data/ and tools/); the tour opens first.
+# (tests/test_jupyter_server_config.py starts the command that `make -n lab` prints.)
 lab: dot venv
 	$(BIN)/jupyter trust $(NOTEBOOKS)
-	$(BIN)/jupyter lab --config=tools/jupyter_server_config.py notebooks/ \
-	  $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(BIN)/jupyter lab --config=tools/jupyter_server_config.py --ServerApp.root_dir=. \
+	  notebooks/00_tour.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # One pytest run: with --nbval the .py tests are collected as usual and each notebook is
 # executed and compared. Exit code 5 ("no tests collected") is not a failure.
@@ -63,11 +66,14 @@ lint: venv
 # Re-execute every notebook in place (then commit the outputs that `make test` compares).
 # The widgets' state is stored in the file (anywidget's state carries its JavaScript), so a
 # player draws in JupyterLab before its chapter runs; nbval compares outputs, not metadata.
+# Live cells (servers of `make vllm` / `make routers`) are not run: tools/live_cells.py keeps
+# their outputs as the author recorded them, marked so, with pictures for their players.
 notebooks: dot venv
 ifneq ($(NOTEBOOKS),)
 	$(DETERMINISTIC_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	  --ExecutePreprocessor.store_widget_state=True \
 	  --ExecutePreprocessor.record_timing=False $(NOTEBOOKS)
+	$(BIN)/python tools/live_cells.py $(NOTEBOOKS)
 endif
 
 # The README picture: the widget mid-animation at an image fork, from the shipped model, drawn

@@ -3,9 +3,10 @@ by Playwright (launched by path, see :func:`viz.bench.chromium`), and what a tes
 the widget's DOM.
 
 - :func:`jupyter_lab`: a JupyterLab server on 127.0.0.1, a free port, a random token, the
-  repository as its root, and settings of its own (in a temporary folder) that turn off
-  autosave (running a chapter must not rewrite it), news checks, and the notebook's windowed
-  rendering (every output stays in the DOM).
+  repository as its root, ``make lab``'s server config (``tools/jupyter_server_config.py``:
+  the pre-save hook, no news, no update checks), and settings of its own (in a temporary
+  folder) that turn off autosave (running a chapter must not rewrite it) and the notebook's
+  windowed rendering (every output stays in the DOM).
 - :func:`run_all_cells`: open a notebook and run it with Run > Run All Cells.
 - :func:`write_notebook`, :func:`cell_view`: a notebook written by a test, and the player a
   cell displayed.
@@ -57,8 +58,9 @@ LAB_SETTINGS = {
         "windowingMode": "none",
         "autoStartDefaultKernel": True,  # no "Select Kernel" dialog
     },
-    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
 }
+# make lab's server config: also turns off JupyterLab's news and update checks.
+LAB_CONFIG = ROOT / "tools" / "jupyter_server_config.py"
 
 
 @dataclass
@@ -88,7 +90,8 @@ def jupyter_lab(tmp: Path, root: Path = ROOT, timeout: float = 60.0) -> Iterator
     """Start JupyterLab (this Python's) serving ``root``; stop it on exit.
 
     Config, runtime files, settings and workspaces live under ``tmp``, so neither the
-    user's JupyterLab setup nor this run leaks into the other.
+    user's JupyterLab setup nor this run leaks into the other; the server config is
+    ``make lab``'s (:data:`LAB_CONFIG`).
 
     Raises:
         RuntimeError: the server did not answer within ``timeout`` seconds.
@@ -114,8 +117,7 @@ def jupyter_lab(tmp: Path, root: Path = ROOT, timeout: float = 60.0) -> Iterator
         f"--ServerApp.root_dir={root}",
         f"--LabApp.user_settings_dir={settings}",
         f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
-        "--LabApp.news_url=",
-        "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate",
+        f"--config={LAB_CONFIG}",
     ]
     with log.open("w") as out:
         # No stdin: a server that could read the terminal would be stopped (SIGTTIN) when the

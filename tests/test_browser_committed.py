@@ -4,7 +4,9 @@
   picture draws (graphviz trees and chapter 07's SVG frames as images, matplotlib PNGs) and
   every player draws from the widget state saved in the file (``make notebooks`` stores it;
   anywidget's state carries the player's JavaScript), and it steps with no kernel behind it.
-  Untrusted, JupyterLab shows none of them: SVG and widgets need a trusted notebook.
+  Untrusted, JupyterLab shows none of them: SVG and widgets need a trusted notebook. No
+  widget draws as JupyterLab's broken-widget icon (a model it cannot load or find), and
+  chapter 10's request slider moves both trees with no kernel behind it.
 - Run, then saved, under ``make lab``'s server config (``tools/jupyter_server_config.py``): the
   clone stays clean; an edited cell is saved as usual.
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,12 +41,17 @@ CHAPTERS = (
 IMAGE_TYPES = ("image/svg+xml", "image/png")
 WIDGET = "application/vnd.jupyter.widget-view+json"
 # What JupyterLab prints in place of a picture or a player it does not draw.
-# "no frames yet": a player whose frames the file did not keep.
+# "no frames yet": a player whose frames the file did not keep. ipywidgets 8 draws a widget it
+# cannot create as a broken-file icon (.jupyter-widgets-error-widget) over "Click to show
+# javascript error."; a widget output whose model is not in the file says "Error displaying
+# widget: model not found".
 NOT_DRAWN = (
     "object at 0x",
     "Digraph at 0x",
     "SVG object>",
     "Error displaying widget",
+    "Click to show javascript error",
+    "model not found",
     "no frames yet",
 )
 
@@ -75,6 +81,7 @@ _SHOWN = """
       images: outputs.filter((o) => !o.querySelector('.radix-view') &&
         o.querySelector('img, svg')).length,
       widgets: outputs.filter((o) => o.querySelector('.radix-view .rv-counter')).length,
+      broken: cell.querySelectorAll('.jupyter-widgets-error-widget').length,
       text: outputs.map((o) => o.textContent).join('\\n'),
     };
   })
@@ -114,6 +121,7 @@ def check_drawn(shown: list[dict], expected: list[dict], notebook: str) -> None:
         where = f"{notebook}, code cell {i}"
         missed = [t for t in NOT_DRAWN if t in got["text"]]
         assert not missed, f"{where} shows text instead of a picture: {got['text'][:300]}"
+        assert not got["broken"], f"{where}: {got['broken']} broken widget icons"
         assert got["images"] >= want["images"], f"{where}: {got['images']} of {want} images"
         assert got["widgets"] == want["widgets"], f"{where}: {got['widgets']} of {want} players"
 
@@ -192,10 +200,8 @@ def test_running_a_chapter_leaves_the_clone_clean(page, tmp_path):
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     notebook = "notebooks/00_tour.ipynb"
     lab_tmp = tmp_path / "lab"
-    (lab_tmp / "config").mkdir(parents=True)
-    # make lab's server config (as --config; the config folder is the test's own).
-    shutil.copy(ROOT / "tools" / "jupyter_server_config.py", lab_tmp / "config")
-    with jupyter_lab(lab_tmp, root=clone) as lab:
+    lab_tmp.mkdir()
+    with jupyter_lab(lab_tmp, root=clone) as lab:  # make lab's server config, the hook
         run_all_cells(page, lab, notebook, root=clone, timeout=300)
         save(page)
         status = git(clone, "status", "--porcelain")
@@ -208,3 +214,49 @@ def test_running_a_chapter_leaves_the_clone_clean(page, tmp_path):
         save(page)
         assert git(clone, "status", "--porcelain").split() == ["M", notebook]
     assert "# my note" in (clone / notebook).read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------- chapter 10's slider
+_ROUTE_VIEW = """
+(out) => ({
+  counters: [...out.querySelectorAll('.radix-view .rv-counter')].map((c) => c.textContent),
+  current: [...out.querySelectorAll('.rv-route-table tr.rv-route')]
+    .findIndex((tr) => tr.classList.contains('current')),
+})
+"""
+
+
+def test_chapter_10s_request_slider_moves_the_trees_before_running(trusted_lab, page):
+    """The slider under the replicas' trees works from the saved widget state: each tree goes
+    to the frame at which that request's blocks had arrived, as the recording says."""
+    import viz
+    from minirad.recordings import RECORDINGS_DIR
+
+    notebook = "notebooks/10_replicas.ipynb"
+    console = Console().watch(page)
+    open_unrun(page, trusted_lab, notebook, ROOT)
+    cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell")
+    sources = [
+        c["source"]
+        for c in json.loads((ROOT / notebook).read_text())["cells"]
+        if c["cell_type"] == "code"
+    ]
+    k = next(i for i, s in enumerate(sources) if "routing_round_robin.jsonl" in "".join(s))
+    out = cells.nth(k).locator(".jp-OutputArea-output").first
+    slider = out.locator("input.rv-route-slider")
+    assert slider.count() == 1, f"{notebook}: no request slider that works without a kernel"
+    recorded = viz.replay_replicas(RECORDINGS_DIR / "routing_round_robin.jsonl")
+    for request in (0, 2, len(recorded.routes) - 1):
+        slider.fill(str(request))
+        frames = recorded.routes[request].frames
+        want = [
+            f"{max(1, n)} / {len(v.frames)}" for n, v in zip(frames, recorded.views, strict=True)
+        ]
+        page.wait_for_function(
+            f"(out) => ({_ROUTE_VIEW})(out).counters.join() === {json.dumps(','.join(want))}",
+            arg=out.element_handle(),
+            timeout=10_000,
+        )
+        assert out.evaluate(_ROUTE_VIEW)["current"] == request
+    widget_errors = [e for e in console.errors if "widget" in e.lower() or "model" in e.lower()]
+    assert not widget_errors, widget_errors

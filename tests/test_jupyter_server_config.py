@@ -2,13 +2,26 @@
 cells unedited is written as the committed file, byte for byte; an edited one as usual.
 
 Saves go through Jupyter Server's own ``FileContentsManager`` over a git repository made here.
+``make lab`` itself is started as ``make -n lab`` prints it: the server's root is the
+repository, the tour opens first, and JupyterLab shows no news pop-up and checks no updates.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import importlib.util
+import json
+import os
+import secrets
+import shlex
 import shutil
 import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -114,3 +127,86 @@ def test_a_chapter_names_its_kernel_as_ipykernel_does(path):
     spec = get_kernel_dict()
     expected = {"display_name": spec["display_name"], "language": spec["language"]}
     assert nbformat.read(path, as_version=4).metadata.kernelspec == expected | {"name": "python3"}
+
+
+# ---------------------------------------------------------------------- make lab, as it runs
+def make_lab_command() -> list[str]:
+    """The ``jupyter lab`` command of ``make lab``, as ``make -n lab`` prints it, run by this
+    Python (``python -m jupyter lab ...``)."""
+    printed = subprocess.run(
+        ["make", "-n", "lab"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    lines = [shlex.split(line) for line in printed.replace("\\\n", " ").splitlines()]
+    [cmd] = [
+        words for words in lines if words[:2] and words[0].endswith("jupyter") and words[1] == "lab"
+    ]
+    return [sys.executable, "-m", "jupyter", *cmd[1:]]
+
+
+@contextlib.contextmanager
+def make_lab(tmp: Path) -> Iterator[tuple[str, str, Path]]:
+    """Start ``make lab``'s JupyterLab in the repository, on a free port with a token of its
+    own, with Jupyter's config, data and runtime folders under ``tmp`` (no settings of the
+    user's). Yields ``(url, token, runtime folder)``."""
+    from browser_tools import free_port
+
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"))
+    env |= {"JUPYTER_DATA_DIR": str(tmp / "data"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
+    cmd = make_lab_command() + ["--no-browser", "--ip=127.0.0.1", f"--port={port}"]
+    cmd += [f"--IdentityProvider.token={token}"]
+    log = tmp / "lab.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"make lab's server did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.3)
+        yield base, token, tmp / "runtime"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def get(base: str, token: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"{base}{path}?token={token}&content=0", timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make program")
+def test_make_lab_serves_the_repository_opens_the_tour_and_fetches_no_news(tmp_path):
+    with make_lab(tmp_path) as (base, token, runtime):
+        # The chapters send the learner to these: all inside the server's root.
+        for path in ("notebooks/00_tour.ipynb", "minirad/radix_cache.py", "data", "tools"):
+            status, _ = get(base, token, f"/api/contents/{path}")
+            assert status == 200, f"make lab's JupyterLab cannot open {path} ({status})"
+        # The page it opens: the tour (the browser is sent to this file's URL).
+        [opener] = glob.glob(str(runtime / "jpserver-file-to-run-*-open.html"))
+        assert "/lab/tree/notebooks/00_tour.ipynb" in Path(opener).read_text()
+        # No news pop-up, no update check: the plugin's settings, as the page reads them...
+        plugin = "@jupyterlab/apputils-extension:notification"
+        _, body = get(base, token, f"/lab/api/settings/{plugin}")
+        answer = json.loads(body)
+        schema = answer["schema"]["properties"]  # the overrides are its defaults
+        composite = {k: v.get("default") for k, v in schema.items()} | answer["settings"]
+        assert composite.get("fetchNews") == "false", composite
+        assert composite.get("checkForUpdates") is False, composite
+        # ... and the server's own answers: no feed, no newer version.
+        assert json.loads(get(base, token, "/lab/api/news")[1]) == {"news": []}
+        assert json.loads(get(base, token, "/lab/api/update")[1]) == {"notification": None}

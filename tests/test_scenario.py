@@ -17,6 +17,8 @@ and every node's decoded text with the text of the segments its label names.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -323,3 +325,70 @@ def test_recorder_sees_cache_and_pool_events(tokenizer):
         replay.step()
     kinds = {e.kind for e in recorder.events}
     assert {"match", "lock", "alloc", "insert", "unlock"} <= kinds
+
+
+# ------------------------------------------------------------ chapter 03's prose, letter for letter
+CHAPTER_03 = Path(__file__).resolve().parent.parent / "notebooks" / "03_eviction.ipynb"
+
+
+def prose_letters(text: str) -> list[str]:
+    """The node letters a text names, in order of first mention. Letters b, c, ... stand alone
+    (not inside code, not after an apostrophe); node a is written "node a" or "a's", since a
+    bare "a" is the article."""
+    text = re.sub(r"`[^`]*`", " ", text)
+    found = re.finditer(r"\bnode (a)\b|\b(a)['’]s\b|(?<!['’])\b([b-z])\b(?!['’])", text)
+    letters = [next(g for g in m.groups() if g) for m in found]
+    return list(dict.fromkeys(letters))
+
+
+def split_claims(text: str) -> list[str]:
+    """The letters a text says are split ("splits g", "g is split")."""
+    return re.findall(r"\bsplits (?:node )?([a-z])\b|\b([a-z]) is split\b", text)
+
+
+def step_prose() -> dict[int, str]:
+    """Chapter 03, section 6: the markdown cell after a step's drawing that explains it
+    ("Step 4 is ...", "Step 9: ..."), by step number."""
+    cells = json.loads(CHAPTER_03.read_text(encoding="utf-8"))["cells"]
+    prose = {}
+    for cell in cells:
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "markdown" and (m := re.match(r"Step (\d+)\b", text)):
+            prose[int(m[1])] = text
+    return prose
+
+
+def test_chapter_03_explains_some_steps_in_prose():
+    assert set(step_prose()) >= {4, 5, 8, 9}
+
+
+@pytest.mark.parametrize("n", sorted(step_prose()))
+def test_chapter_03s_prose_names_the_replays_letters(replayed, n):
+    """The chapter promises stable letters (a node keeps its letter in every panel, and the
+    captions use them): the prose under a step must use the same ones as its caption and
+    drawing, not the paper's per-panel letters. It may name only nodes of that step's drawing,
+    must name every node the step splits or evicts, evictions in the order they happened."""
+    result = replayed[0].results[n - 1]
+    text = step_prose()[n]
+    named = prose_letters(text)
+    drawn = set(result.letters.values())
+    evicted = [result.letters[i] for i in result.evicted]
+    split = [result.letters[prefix] for prefix, _ in result.splits]
+    assert set(named) <= drawn, f"step {n} names {sorted(set(named) - drawn)}, not in its drawing"
+    missing = [x for x in split + evicted if x not in named]
+    assert not missing, f"step {n} splits {split} and evicts {evicted}; its prose names {named}"
+    assert [x for x in named if x in evicted] == evicted, f"step {n} evicts in the order {evicted}"
+    claims = [a or b for a, b in split_claims(text)]
+    assert set(claims) <= set(split), f"step {n}: the prose splits {claims}, the replay {split}"
+
+
+def test_exercise_5s_solution_names_the_replays_letters(replayed):
+    """q5's solution explains step 9 in the same letters."""
+    from minirad.exercises.ch03 import Q5_SOLUTION
+
+    result = replayed[0].results[8]
+    comments = "\n".join(line for line in Q5_SOLUTION.splitlines() if line.startswith("#"))
+    split = {result.letters[prefix] for prefix, _ in result.splits}
+    assert set(prose_letters(comments)) <= set(result.letters.values())
+    claims = {a or b for a, b in split_claims(comments)}
+    assert claims and claims <= split, f"the solution splits {claims}, the replay {split}"

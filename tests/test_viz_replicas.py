@@ -36,7 +36,7 @@ def test_each_replica_has_its_own_tree_and_the_slider_follows_the_routes(tmp_pat
     view = viz.watch_replicas([Replica(p) for p in pubs], model_dir=None)
     try:
         for v in view.views:
-            wait_for(lambda v=v: v.status.startswith("vLLM answering at"), "the probes")
+            wait_for(lambda v=v: v.status.startswith(f"{Replica.name} answering at"), "probes")
         pubs[0].publish([stored([1, 2])])
         wait_for(lambda: live_nodes(view.views[0]) == 2, "replica 0's blocks")
         view.add_route(Route(0, "first", 64, 0))
@@ -58,6 +58,13 @@ def test_each_replica_has_its_own_tree_and_the_slider_follows_the_routes(tmp_pat
     assert [len(v.frames[v.step].live) for v in view.views] == [2, 1]
     view.request.value = 0
     assert [len(v.frames[v.step].live) for v in view.views] == [2, 0]
+    # What the browser does alone (the slider is jslinked to each player's `mark`): each
+    # player's mark k is its frame of request k, the one the slider shows from Python.
+    for i, v in enumerate(view.views):
+        assert v.marks == [max(0, r.frames[i] - 1) for r in view.routes]
+        v.mark = 1
+        assert v.step == max(0, view.routes[1].frames[i] - 1)
+    assert [r["prompt"] for r in view.request.routes] == ["first", "second", "third"]
     assert "3 requests (per replica [2, 1])" in repr(view)
     assert "64 of 192 prompt tokens cached" in repr(view)
 
@@ -67,6 +74,26 @@ def test_each_replica_has_its_own_tree_and_the_slider_follows_the_routes(tmp_pat
     assert again.routes == view.routes
     for a, b in zip(again.views, view.views, strict=True):
         assert [f.to_dict({}) for f in a.frames] == [f.to_dict({}) for f in b.frames]
+
+
+def test_a_replicas_status_names_the_worker_it_is():
+    """Our workers publish vLLM's wire format, but they are not vLLM: the status line says
+    what each replica is, a ``minirad serve`` worker or a real vLLM server."""
+    pubs = [publisher(), publisher()]
+    workers = [Replica(p) for p in pubs]
+    workers[0].name, workers[1].name = "minirad serve", "vLLM"
+    view = viz.watch_replicas(workers, model_dir=None)
+    try:
+        for v, name in zip(view.views, ("minirad serve", "vLLM"), strict=True):
+            wait_for(lambda v=v, n=name: v.status.startswith(f"{n} answering at"), name)
+        pubs[0].close()  # no server behind replica 0 any more
+        wait_for(
+            lambda: view.views[0].status.startswith("no minirad serve answering at"), "no server"
+        )
+    finally:
+        view.stop()
+        pubs[1].close()
+    assert "vLLM" not in view.views[0].status
 
 
 def test_the_static_picture_shows_every_tree_and_the_route_table(tmp_path):

@@ -6,7 +6,12 @@ Each replica (a ``minirad serve`` worker or a real vLLM server, started with KV 
 what the replicas' caches really hold. Under them, one row per request: the replica the
 router picked (read from the workers' own request counters,
 :func:`minirad.replicas.send_routed`) and the prompt tokens that replica found cached. The
-request slider moves every tree to the moment that request's blocks had arrived.
+request slider moves every tree to the moment that request's blocks had arrived; it runs in
+the browser (:class:`RouteTable`, linked to the players with ``ipywidgets.jslink``), so a
+saved notebook's slider works before its kernel runs.
+
+A replica's status line names the worker it is (``minirad serve answering at ...``, ``vLLM
+answering at ...``): both speak vLLM's wire format, so the subscriber is told the name.
 
 Everything received is kept in arrival order (:attr:`ReplicaCacheView.records`), so a session
 saves to one JSON-lines file (:meth:`ReplicaCacheView.save_recording`: KV-event batches
@@ -38,7 +43,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+import anywidget
 import ipywidgets
+import traitlets
 
 from minirad.errors import InvalidArgumentError, KVEventError
 from minirad.kv_events import (
@@ -51,10 +58,11 @@ from minirad.kv_events import (
 from minirad.models import DEFAULT_MODEL_DIR
 from minirad.replicas import send_routed
 
+from .export import STATIC
 from .svg import side_by_side
 from .watch import BlockCacheView
 
-__all__ = ["ReplicaCacheView", "Route", "replay_replicas", "watch_replicas"]
+__all__ = ["ReplicaCacheView", "Route", "RouteTable", "replay_replicas", "watch_replicas"]
 
 # One colour per replica (the route table's marks), as matplotlib's tab10 starts.
 REPLICA_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
@@ -78,6 +86,23 @@ class Route:
     prompt_tokens: int
     cached_tokens: int
     frames: tuple[int, ...] = ()
+
+
+class RouteTable(anywidget.AnyWidget):
+    """The request slider and the route table under a :class:`ReplicaCacheView`, drawn by
+    ``viz/static/route_table.js``: one row per request (its replica's colour mark, the cached
+    and prompt tokens), the row of request ``value`` highlighted.
+
+    Attributes:
+        value: the request shown (the slider's position).
+        routes: one ``{"replica", "prompt", "prompt_tokens", "cached_tokens"}`` per request.
+        colours: one colour per replica.
+    """
+
+    _esm = STATIC / "route_table.js"
+    value = traitlets.Int(0).tag(sync=True)
+    routes = traitlets.List().tag(sync=True)
+    colours = traitlets.List(traitlets.Unicode()).tag(sync=True)
 
 
 def prompt_label(body: dict, chars: int = 40) -> str:
@@ -107,7 +132,8 @@ class ReplicaCacheView(ipywidgets.VBox):
         views: one :class:`~viz.watch.BlockCacheView` per replica, in order.
         routes: one :class:`Route` per request sent through :meth:`send`, in order.
         records: every batch and route in arrival order, as :meth:`save_recording` writes them.
-        request: the slider over the routes.
+        request: the slider over the routes and the route table (a :class:`RouteTable`;
+            ``request.value`` is the request shown).
 
     Raises:
         InvalidArgumentError: ``names`` is not a non-empty list of str, or ``model_dir``
@@ -128,11 +154,10 @@ class ReplicaCacheView(ipywidgets.VBox):
         self._subscribers: list[KVEventSubscriber] = []
         self._lock = threading.Lock()  # each replica's batches arrive on its own thread
         self._last_arrival = time.monotonic()
-        self._table = ipywidgets.HTML()
-        self.request = ipywidgets.IntSlider(
-            0, min=0, max=0, description="request", disabled=True, continuous_update=True
-        )
+        self.request = RouteTable(colours=[_colour(i) for i in range(len(self.names))])
         self.request.observe(self._show_request, "value")
+        # In the browser, the slider moves each player to its frame of that request itself.
+        self._links = [ipywidgets.jslink((self.request, "value"), (v, "mark")) for v in self.views]
         columns = []
         for i, (name, view) in enumerate(zip(self.names, self.views, strict=True)):
             heading = ipywidgets.HTML(
@@ -144,9 +169,8 @@ class ReplicaCacheView(ipywidgets.VBox):
                     [heading, view], layout=ipywidgets.Layout(flex="1 1 460px", min_width="460px")
                 )
             )
-        self._render_table()
         row = ipywidgets.HBox(columns, layout=ipywidgets.Layout(flex_flow="row wrap"))
-        super().__init__([row, self.request, self._table])
+        super().__init__([row, self.request])
 
     # ------------------------------------------------------------------ input
     def receive(self, replica: int, item: tuple[int, KVEventBatch] | Notice) -> None:
@@ -177,8 +201,10 @@ class ReplicaCacheView(ipywidgets.VBox):
             route = dataclasses.replace(route, frames=frames)
             self.routes.append(route)
             self.records.append({"route": asdict(route)})
-        self.request.disabled = False
-        self.request.max = len(self.routes) - 1
+        for i, view in enumerate(self.views):
+            view.marks = [max(0, r.frames[i] - 1) for r in self.routes]
+        rows = [{k: v for k, v in asdict(r).items() if k != "frames"} for r in self.routes]
+        self.request.routes = rows
         self.request.value = len(self.routes) - 1
         self._show_request()
 
@@ -244,7 +270,11 @@ class ReplicaCacheView(ipywidgets.VBox):
         if silent:
             raise InvalidArgumentError(f"these workers publish no KV events: {silent}")
         for i, (worker, view) in enumerate(zip(workers, self.views, strict=True)):
-            subscriber = KVEventSubscriber(worker.kv_events_endpoint, worker.replay_endpoint)
+            subscriber = KVEventSubscriber(
+                worker.kv_events_endpoint,
+                worker.replay_endpoint,
+                name=getattr(worker, "name", None),
+            )
             self._subscribers.append(subscriber)
             view.status = f"listening on {subscriber.endpoint}"
             subscriber.start(lambda item, i=i: self.receive(i, item))
@@ -276,20 +306,6 @@ class ReplicaCacheView(ipywidgets.VBox):
             route = self.routes[self.request.value]
             for view, n in zip(self.views, route.frames, strict=True):
                 view.step = n - 1
-        self._render_table()
-
-    def _render_table(self) -> None:
-        rows = []
-        for k, r in enumerate(self.routes):
-            current = ' style="background:#fff6e0"' if k == self.request.value else ""
-            rows.append(
-                f"<tr{current}><td>{k}</td><td>{escape(r.prompt)}</td>"
-                f'<td><b style="color:{_colour(r.replica)}">&#9632;</b> {r.replica}</td>'
-                f"<td>{r.cached_tokens} / {r.prompt_tokens}</td></tr>"
-            )
-        head = "<tr><th>request</th><th>prompt</th><th>replica</th><th>cached / prompt</th></tr>"
-        body = "".join(rows) or '<tr><td colspan="4">no request yet</td></tr>'
-        self._table.value = f'<table style="font-size:12px">{head}{body}</table>'
 
     def route_lines(self) -> list[str]:
         """The route table as text lines (the static picture's footer)."""

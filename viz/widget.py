@@ -80,6 +80,12 @@ class RadixView(anywidget.AnyWidget):
     # One line about a live source (shown above the player when not empty): where it listens,
     # what went wrong (no server, a bad frame, a restart), so a learner never faces a frozen view.
     status = traitlets.Unicode("").tag(sync=True)
+    # Marks: a frame index per mark (``marks``), and the mark to show (``mark``, -1: none).
+    # Another widget linked to ``mark`` with ``ipywidgets.jslink`` (the request slider of
+    # viz/replicas.py) moves the player in the browser alone: it works from a notebook's
+    # saved widget state, before any kernel runs.
+    marks = traitlets.List(traitlets.Int()).tag(sync=True)
+    mark = traitlets.Int(-1).tag(sync=True)
 
     def __init__(
         self,
@@ -103,6 +109,11 @@ class RadixView(anywidget.AnyWidget):
     @traitlets.validate("step")
     def _valid_step(self, proposal: dict) -> int:
         return max(0, min(proposal["value"], len(self.frames) - 1))
+
+    @traitlets.observe("mark")
+    def _show_mark(self, change: dict) -> None:
+        if 0 <= change["new"] < len(self.marks):
+            self.step = self.marks[change["new"]]
 
     # ------------------------------------------------------------------ constructors
     @classmethod

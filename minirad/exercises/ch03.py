@@ -272,8 +272,9 @@ def _check_q5(answer: object) -> str | None:
 Q5_SOLUTION = """\
 from minirad.scenario import ScenarioReplay
 
-# Step 9's match splits j; the suffix " This is 17." keeps j's creation time (step 6) but
-# gets the current access time. FIFO sees the oldest leaf and evicts it; LRU keeps it.
+# Step 9's match splits g; its old answer " This is 17." becomes leaf k, which keeps g's
+# creation time (step 6: a split keeps it, and g was cut from f) but gets the current access
+# time. FIFO sees the oldest leaf, k, and evicts it; LRU keeps it.
 lru, fifo = (ScenarioReplay(eviction_policy=p).run()[8] for p in ("lru", "fifo"))
 (answer,) = set(fifo.names(fifo.evicted)) - set(lru.names(lru.evicted))"""
 

@@ -305,8 +305,9 @@ answer = (reused, image.offset + image.length - reused)
 q3 = Exercise(
     "q3 a hit that ends inside the image",
     _check_q3,
-    "The keys of A and B agree through the system prompt, the image (same pad ids) and the "
-    "first words of the questions; the tree keeps whole pages only.",
+    "The two requests' keys agree through the system prompt, image A (the same picture both "
+    "times, so the same pad ids) and the first words of the questions; the tree keeps whole "
+    "pages only.",
     Q3_SOLUTION,
 )
 

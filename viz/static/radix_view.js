@@ -659,7 +659,16 @@ function render({ model, el }) {
     if (follow) go(raw.length - 1);
     else counter.textContent = `${index + 1} / ${raw.length}`;
   };
+  // A mark picked elsewhere (a request slider linked to `mark` with jslink: viz/replicas.py)
+  // shows its frame, `marks[mark]`; no kernel needed.
+  const onMark = () => {
+    const m = model.get("mark"), marks = model.get("marks") || [];
+    if (!(m >= 0 && m < marks.length)) return;
+    stop();
+    go(marks[m]);
+  };
   model.on("change:step", onStep);
+  model.on("change:mark", onMark);
   model.on("change:_frames", reload);
   model.on("change:_images", reload);
   model.on("change:max_nodes", reload);
@@ -675,6 +684,7 @@ function render({ model, el }) {
     stop();
     resized.disconnect();
     model.off("change:step", onStep);
+    model.off("change:mark", onMark);
     model.off("change:_frames", reload);
     model.off("change:_images", reload);
     model.off("change:max_nodes", reload);
