@@ -119,24 +119,36 @@ def jupyter_lab(tmp: Path, root: Path = ROOT, timeout: float = 60.0) -> Iterator
         f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
         f"--config={LAB_CONFIG}",
     ]
-    with log.open("w") as out:
+    lab = Lab(f"http://127.0.0.1:{port}", token, log)
+    with running_lab(cmd, env, root, lab, timeout):
+        yield lab
+
+
+@contextlib.contextmanager
+def running_lab(cmd: list[str], env: dict, cwd: Path, lab: Lab, timeout: float) -> Iterator[None]:
+    """Run the JupyterLab command ``cmd`` (its output to ``lab.log``) until the block ends,
+    entering it once the server answers at ``lab.url``.
+
+    Raises:
+        RuntimeError: the server exited, or did not answer within ``timeout`` seconds.
+    """
+    with lab.log.open("w") as out:
         # No stdin: a server that could read the terminal would be stopped (SIGTTIN) when the
         # tests run in the background.
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd
         )
-    lab = Lab(f"http://127.0.0.1:{port}", token, log)
     try:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with urllib.request.urlopen(f"{lab.url}/api/status?token={token}", timeout=2):
+                with urllib.request.urlopen(f"{lab.url}/api/status?token={lab.token}", timeout=2):
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"JupyterLab did not start:\n{lab.log_tail()}") from None
                 time.sleep(0.3)
-        yield lab
+        yield
     finally:
         proc.terminate()
         try:

@@ -18,7 +18,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -148,37 +147,16 @@ def make_lab(tmp: Path) -> Iterator[tuple[str, str, Path]]:
     """Start ``make lab``'s JupyterLab in the repository, on a free port with a token of its
     own, with Jupyter's config, data and runtime folders under ``tmp`` (no settings of the
     user's). Yields ``(url, token, runtime folder)``."""
-    from browser_tools import free_port
+    from browser_tools import Lab, free_port, running_lab
 
     port, token = free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"))
     env |= {"JUPYTER_DATA_DIR": str(tmp / "data"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
     cmd = make_lab_command() + ["--no-browser", "--ip=127.0.0.1", f"--port={port}"]
     cmd += [f"--IdentityProvider.token={token}"]
-    log = tmp / "lab.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"make lab's server did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.3)
-        yield base, token, tmp / "runtime"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    lab = Lab(f"http://127.0.0.1:{port}", token, tmp / "lab.log")
+    with running_lab(cmd, env, ROOT, lab, timeout=60):
+        yield lab.url, token, tmp / "runtime"
 
 
 def get(base: str, token: str, path: str) -> tuple[int, bytes]:
