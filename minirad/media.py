@@ -95,7 +95,11 @@ def probe_image(source: str | os.PathLike | BinaryIO, shown: str) -> Image.Image
         ) from e
     except Exception as e:  # Pillow's plugins raise many kinds on malformed headers
         raise _unreadable(shown) from e
-    check_image_size(*image.size, shown)
+    try:
+        check_image_size(*image.size, shown)
+    except ImageError:
+        image.close()  # the file Pillow opened by name
+        raise
     return image
 
 
@@ -112,6 +116,7 @@ def open_image(source: str | os.PathLike | BinaryIO | bytes, shown: str) -> Imag
     try:
         image.load()
     except Exception as e:  # truncated data, a chunk past Pillow's limits, a bad palette...
+        image.close()
         raise _unreadable(shown) from e
     return image
 

@@ -134,6 +134,7 @@ __all__ = [
     "EngineDeadError",
     "EngineSnapshot",
     "RequestStream",
+    "Shutdown",
     "build_app",
     "run_server",
 ]
@@ -152,6 +153,10 @@ SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM: how long requests in flight may take to 
 
 
 MAX_JSON_DEPTH = 64  # nesting of a request body: deeper is refused before anything reads it
+# Commas in a request body (about its JSON values): past it the body is refused before it is
+# parsed, since parsing and checking ten million numbers would hold the event loop, and so
+# every client and /health, for seconds. Far above any context's worth of token ids.
+MAX_JSON_VALUES = 200_000
 
 
 class _Model(BaseModel):
@@ -867,6 +872,92 @@ class _VLLMMetrics:
         yield success
 
 
+# ------------------------------------------------------------------------------ the intake
+class Shutdown:
+    """Set when a server's grace period is over (:func:`run_server` calls :meth:`close`):
+    :class:`_BodyIntake` then answers every body still arriving with a 503."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None  # made on the server's event loop
+
+    @property
+    def event(self) -> asyncio.Event:
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
+    def close(self) -> None:
+        self.event.set()
+
+
+class _BodyIntake:
+    """ASGI middleware: reads a request's whole body before the app sees it, within limits
+    checked on the event loop in microseconds: at most :data:`MAX_BODY_BYTES` (413, whether
+    declared by Content-Length or not), at most :data:`MAX_JSON_VALUES` commas (400). A body
+    still arriving when the grace period ends (``shutdown``) gets a 503, so a client that
+    never finishes sending holds up nobody's shutdown."""
+
+    def __init__(self, app: Callable, shutdown: Shutdown) -> None:
+        self.app = app
+        self.shutdown = shutdown
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return await self._refuse(413, scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await self._receive(receive)
+            if message is None:  # the grace period is over
+                response = _error(503, "the server is shutting down", "ServiceUnavailableError")
+                response.headers["connection"] = "close"
+                return await response(scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                return await self._refuse(413, scope, receive, send)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if body.count(b",") >= MAX_JSON_VALUES:
+            return await self._refuse(400, scope, receive, send)
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _receive(self, receive: Callable) -> dict | None:
+        """The next message of the body, or None once the server is shutting down."""
+        message = asyncio.ensure_future(receive())
+        closing = asyncio.ensure_future(self.shutdown.event.wait())
+        await asyncio.wait({message, closing}, return_when=asyncio.FIRST_COMPLETED)
+        closing.cancel()
+        if message.done():
+            return message.result()
+        message.cancel()
+        return None
+
+    @staticmethod
+    async def _refuse(status: int, scope: dict, receive: Callable, send: Callable) -> None:
+        message = (
+            f"the request body is over {MAX_BODY_BYTES // 2**20} MiB"
+            if status == 413
+            else f"the request body holds {MAX_JSON_VALUES} or more JSON values (commas)"
+        )
+        response = _error(status, message, "BadRequestError")
+        response.headers["connection"] = "close"  # the rest of the body is not read
+        await response(scope, receive, send)
+
+
 # ---------------------------------------------------------------------------------- the inputs
 def _image(url: str, media: MediaFolder) -> Any:
     """An image part's URL as a decoded, checked PIL image: a ``data:`` URL, or a file in the
@@ -1013,7 +1104,9 @@ def build_app(
         yield
         async_engine.shutdown()
 
-    app = FastAPI(title="minirad", lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
+    app = FastAPI(title="minirad", lifespan=lifespan)
+    app.state.shutdown = Shutdown()
+    app.add_middleware(_BodyIntake, shutdown=app.state.shutdown)
     app.state.engine = async_engine
 
     @app.exception_handler(RequestValidationError)
@@ -1306,15 +1399,16 @@ def run_server(
         log_level=log_level,
         timeout_graceful_shutdown=shutdown_timeout_s,
     )
-    asyncio.run(_serve(uvicorn.Server(config), app.state.engine, shutdown_timeout_s))
+    asyncio.run(_serve(uvicorn.Server(config), app.state, shutdown_timeout_s))
 
 
-async def _serve(server: uvicorn.Server, engine: AsyncLLMEngine, grace_s: float) -> None:
+async def _serve(server: uvicorn.Server, state: Any, grace_s: float) -> None:
     async def end_in_flight() -> None:
         while not server.should_exit:
             await asyncio.sleep(0.1)
         await asyncio.sleep(max(grace_s - 0.5, 0.0))
-        engine.fail_in_flight("the server is shutting down")
+        state.shutdown.close()  # bodies still arriving: 503
+        state.engine.fail_in_flight("the server is shutting down")
 
     watcher = asyncio.create_task(end_in_flight())
     try:

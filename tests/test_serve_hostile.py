@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx
@@ -365,15 +366,61 @@ def test_sigterm_with_a_half_sent_request_exits_within_the_graceful_timeout():
         proc.wait(timeout=5.0 + HANG_S)  # the default timeout, and a margin
         took = time.monotonic() - start
         client.join(HANG_S)
+        half.settimeout(HANG_S)
+        cut = half.recv(65536)  # what the half-sent request got
         half.close()
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+    log = proc.stderr.read()
     assert took < 5.0 + HANG_S
+    head, _, reply = cut.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), cut[:300]
+    assert json.loads(reply)["error"]["code"] == 503
+    assert "Traceback" not in log, log[-2000:]
     assert events and events[-1] == "data: [DONE]", events[-3:]
     errors = [json.loads(e[6:]) for e in events if e.startswith('data: {"error"')]
     assert all(e["error"]["code"] == 503 for e in errors), errors
+
+
+# --------------------------------------------- bodies too big to parse on the event loop
+def test_a_body_of_ten_million_numbers_is_refused_before_it_is_parsed(url, reference):
+    """Ten million ints (20 MB, under the byte limit), in an ignored field or as a token-id
+    prompt, held the event loop (JSON parsing and checking) for 15-20 s: /health and every
+    client waited. Counted, not parsed, they are refused at once."""
+    numbers = b"[" + b"1," * 10_000_000 + b"1]"
+    for path, body in (
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "x": '),
+        ("/v1/completions", b'{"prompt": '),
+        ("/detokenize", b'{"tokens": '),
+    ):
+        resp = httpx.post(
+            url + path,
+            content=body + numbers + b"}",
+            headers={"content-type": "application/json"},
+            timeout=HANG_S,
+        )
+        assert "JSON values" in assert_refused(resp)
+    assert_serving(url, reference)
+
+
+def test_a_body_declared_too_big_gets_the_error_body(url, reference):
+    """A Content-Length over the limit got Starlette's plain-text 413; chunked, the JSON
+    one. Both are OpenAI's body now, before a byte of the body is read."""
+    with socket.create_connection(urllib.parse.urlsplit(url)[1].split(":")) as conn:
+        conn.settimeout(HANG_S)
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 70000000\r\n\r\n"
+        )
+        answer = b""
+        while chunk := conn.recv(65536):  # the server closes the connection after it
+            answer += chunk
+        head, _, reply = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert json.loads(reply)["error"]["code"] == 413
+    assert_serving(url, reference)
 
 
 def _free_port() -> int:
