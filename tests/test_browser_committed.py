@@ -44,7 +44,8 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 # "no frames yet": a player whose frames the file did not keep. ipywidgets 8 draws a widget it
 # cannot create as a broken-file icon (.jupyter-widgets-error-widget) over "Click to show
 # javascript error."; a widget output whose model is not in the file says "Error displaying
-# widget: model not found".
+# widget: model not found". A widget with no kernel behind it gets a red broken-chain icon
+# (.jupyter-widgets-disconnected), which viz hides on its own widgets: they work without one.
 NOT_DRAWN = (
     "object at 0x",
     "Digraph at 0x",
@@ -82,6 +83,9 @@ _SHOWN = """
         o.querySelector('img, svg')).length,
       widgets: outputs.filter((o) => o.querySelector('.radix-view .rv-counter')).length,
       broken: cell.querySelectorAll('.jupyter-widgets-error-widget').length,
+      // ipywidgets' red broken-chain icon (no kernel), where it shows
+      unlinked: [...cell.querySelectorAll('.jupyter-widgets-disconnected')].filter((e) =>
+        getComputedStyle(e, '::before').display !== 'none').length,
       text: outputs.map((o) => o.textContent).join('\\n'),
     };
   })
@@ -122,6 +126,7 @@ def check_drawn(shown: list[dict], expected: list[dict], notebook: str) -> None:
         missed = [t for t in NOT_DRAWN if t in got["text"]]
         assert not missed, f"{where} shows text instead of a picture: {got['text'][:300]}"
         assert not got["broken"], f"{where}: {got['broken']} broken widget icons"
+        assert not got["unlinked"], f"{where}: {got['unlinked']} broken-chain widget icons"
         assert got["images"] >= want["images"], f"{where}: {got['images']} of {want} images"
         assert got["widgets"] == want["widgets"], f"{where}: {got['widgets']} of {want} players"
 

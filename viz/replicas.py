@@ -61,6 +61,7 @@ from minirad.replicas import send_routed
 from .export import STATIC
 from .svg import side_by_side
 from .watch import BlockCacheView
+from .widget import VIEW_CLASS
 
 __all__ = ["ReplicaCacheView", "Route", "RouteTable", "replay_replicas", "watch_replicas"]
 
@@ -100,6 +101,7 @@ class RouteTable(anywidget.AnyWidget):
     """
 
     _esm = STATIC / "route_table.js"
+    _css = STATIC / "radix_view.css"  # its rule for VIEW_CLASS, whichever widget draws first
     value = traitlets.Int(0).tag(sync=True)
     routes = traitlets.List().tag(sync=True)
     colours = traitlets.List(traitlets.Unicode()).tag(sync=True)
@@ -171,6 +173,8 @@ class ReplicaCacheView(ipywidgets.VBox):
             )
         row = ipywidgets.HBox(columns, layout=ipywidgets.Layout(flex_flow="row wrap"))
         super().__init__([row, self.request])
+        for box in (self, row, self.request, *columns, *(c.children[0] for c in columns)):
+            box.add_class(VIEW_CLASS)  # drawn from saved state: no "no kernel" icon
 
     # ------------------------------------------------------------------ input
     def receive(self, replica: int, item: tuple[int, KVEventBatch] | Notice) -> None:

@@ -51,6 +51,11 @@ from .svg import frame_svg
 __all__ = ["RadixView", "image_thumbnails", "replay_scenario", "run_engine", "thumbnail"]
 
 
+# The DOM class of every widget viz displays: radix_view.css hides ipywidgets' "no kernel"
+# icon on them, since they draw and play from a saved notebook's widget state alone.
+VIEW_CLASS = "minirad-view"
+
+
 class RadixView(anywidget.AnyWidget):
     """A player for radix-tree frames.
 
@@ -104,6 +109,7 @@ class RadixView(anywidget.AnyWidget):
         super().__init__(
             _frames=wire["frames"], _labels=wire["labels"], _images=dict(thumbnails or {}), **kwargs
         )
+        self.add_class(VIEW_CLASS)
         self.on_msg(self._on_front_end_message)
 
     @traitlets.validate("step")
