@@ -62,6 +62,7 @@ test: dot venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 # Re-execute every notebook in place (then commit the outputs that `make test` compares).
 # The widgets' state is stored in the file (anywidget's state carries its JavaScript), so a

@@ -1,5 +1,6 @@
-"""``python -m minirad {generate,batch} ...``: the ``minirad`` command (:mod:`minirad.cli`)."""
+"""``python -m minirad {generate,batch} ...``: the ``minirad`` command
+(:mod:`minirad.entrypoints.cli`)."""
 
-from .cli import main
+from minirad.entrypoints.cli import main
 
 raise SystemExit(main())

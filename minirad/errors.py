@@ -57,7 +57,7 @@ class RequestError(MiniradError, ValueError):
 class GrammarError(RequestError):
     """A structured-output constraint the engine cannot serve: a JSON schema that is not JSON or
     that no value satisfies, a regex that does not parse, an empty choice list, or a token the
-    grammar does not allow (:mod:`minirad.grammar`)."""
+    grammar does not allow (:mod:`minirad.engine.grammar`)."""
 
 
 class PeerError(MiniradError, RuntimeError):

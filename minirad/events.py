@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from .errors import InvalidArgumentError
+from minirad.errors import InvalidArgumentError
 
 __all__ = [
     "AllocEvent",

@@ -384,8 +384,8 @@ FORK_IMAGES = ("red_circle_left_of_blue_square.png", "blue_square_left_of_red_ci
 def fork_requests(processor, images_dir: Path) -> list:
     """Two questions about each of two images under one system prompt: the tree forks at the
     image (different pad ids right after the shared system turn), then at the question."""
+    from minirad.course.scenes import SYSTEM_PROMPTS
     from minirad.engine import GenerateRequest, SamplingParams
-    from minirad.scenes import SYSTEM_PROMPTS
 
     def ask(question: str, image: str):
         messages = [

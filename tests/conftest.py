@@ -55,7 +55,7 @@ def _seed_everything() -> None:
 @pytest.fixture(scope="session")
 def tokenizer():
     """The course's shipped tokenizer (data/tokenizer/)."""
-    from minirad.tokenizer import load_tokenizer
+    from minirad.models.tokenizer import load_tokenizer
 
     return load_tokenizer()
 
@@ -85,7 +85,7 @@ def vllm_python():
     """The real vLLM's Python (``make vllm``). Without it the test is skipped, except in CI,
     where the vLLM tests must run: ``.ci/run`` builds the venv first."""
     from minirad.errors import PeerError
-    from minirad.vllm_env import vllm_python
+    from minirad.peers.vllm_env import vllm_python
 
     try:
         return vllm_python()
@@ -99,8 +99,8 @@ def vllm_python():
 def router_venv():
     """The real routers' venv (``make routers``). Without it the test is skipped, except in
     CI, where ``.ci/run`` builds it first."""
+    from minirad.cluster.replicas import ROUTER_VENV, ROUTERS, router_executable
     from minirad.errors import PeerError
-    from minirad.replicas import ROUTER_VENV, ROUTERS, router_executable
 
     try:
         for router in ROUTERS:

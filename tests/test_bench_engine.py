@@ -15,7 +15,6 @@ from PIL import Image
 from test_cli import TINY_CHAT_TEMPLATE
 from tiny_models import IMAGE_SIZE, bytes_per_token, tiny_llava, tiny_llava_processor
 
-from minirad import vllm_env
 from minirad.bench import main as bench_main
 from minirad.bench.engine import (
     format_report,
@@ -26,6 +25,7 @@ from minirad.bench.engine import (
 from minirad.bench.peer import kv_memory
 from minirad.engine import EngineConfig
 from minirad.errors import InvalidArgumentError, PeerError
+from minirad.peers import vllm_env
 
 MAX_NEW = 5
 
@@ -143,7 +143,7 @@ def test_unique_workload_rejects_shared_questions(llava):
 
 
 def test_command_line_on_a_saved_model(llava, tmp_path, capsys):
-    """The ``engine`` subcommand end to end, on scenes from :mod:`minirad.scenes` (their
+    """The ``engine`` subcommand end to end, on scenes from :mod:`minirad.course.scenes` (their
     English words are unknown to the tiny tokenizer, which is fine for a smoke run)."""
     model, processor = llava
     model.save_pretrained(tmp_path)

@@ -13,7 +13,6 @@ import json
 import jsonschema
 import pytest
 
-from minirad import vllm_env
 from minirad.bench import main as bench_main
 from minirad.bench.structured import (
     FREE,
@@ -25,9 +24,10 @@ from minirad.bench.structured import (
     run_structured_benchmark,
     vllm_schema,
 )
-from minirad.grammar import JSON_DEFAULTS
+from minirad.course.scenes import SHAPES_JSON_SCHEMA, shapes_json
+from minirad.engine.grammar import JSON_DEFAULTS
 from minirad.models import DEFAULT_MODEL_DIR, load_model
-from minirad.scenes import SHAPES_JSON_SCHEMA, shapes_json
+from minirad.peers import vllm_env
 
 NUM_SCENES = 3
 

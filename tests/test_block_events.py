@@ -1,11 +1,11 @@
-"""vLLM's KV events <-> minirad's tree events (``minirad.block_events``), both ways.
+"""vLLM's KV events <-> minirad's tree events (``minirad.kv_events.block_events``), both ways.
 
 - :class:`BlockHashTree` (vLLM -> minirad) is fed vLLM-shaped events (the fields of a real
   LLaVA request, through our msgpack decoder) and its minirad events go to a real
   ``viz.frame_builder.FrameBuilder``: chains, the image fork, copies, removals of blocks that have
   children, a subscriber that joined late, resets, bad events, determinism.
 - :class:`RadixBlockEvents` (minirad -> vLLM) listens to a real RadixCache; its hashes are
-  checked against :class:`~minirad.kv_cache_manager.KVCacheManager`'s ``block_hashes`` (the
+  checked against :class:`~minirad.kvcache.kv_cache_manager.KVCacheManager`'s ``block_hashes`` (the
   BlockPool chain), and a Hypothesis property checks, for random insert / evict / reset
   sequences, that the blocks the published events say are stored are exactly the full blocks
   of every path the cache holds, and that the view rebuilds that same block tree.
@@ -25,10 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from minirad.block_events import MASK_64, BlockHashTree, RadixBlockEvents, block_hash_u64
 from minirad.errors import InvalidArgumentError, KVEventError
 from minirad.events import EventBus, EventRecorder, EvictEvent, InsertEvent, ResetEvent
-from minirad.kv_cache_manager import KVCacheManager
 from minirad.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -39,8 +37,10 @@ from minirad.kv_events import (
     decode_frames,
     encode_batch,
 )
-from minirad.multimodal import MultiModalItem, pad_value
-from minirad.radix_cache import RadixCache
+from minirad.kv_events.block_events import MASK_64, BlockHashTree, RadixBlockEvents, block_hash_u64
+from minirad.kvcache.kv_cache_manager import KVCacheManager
+from minirad.kvcache.multimodal import MultiModalItem, pad_value
+from minirad.kvcache.radix_cache import RadixCache
 from viz.frame import Frame, frames_to_wire
 from viz.frame_builder import FrameBuilder
 

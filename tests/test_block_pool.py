@@ -1,4 +1,4 @@
-"""Unit tests of vLLM's block pool and prefix cache (``minirad.block_pool``).
+"""Unit tests of vLLM's block pool and prefix cache (``minirad.kvcache.block_pool``).
 
 The expected behaviour is that of ``vllm/v1/core/{block_pool,kv_cache_utils,kv_cache_manager}.py``
 (see ``shared/reference/research/vllm_blockpool.md``): an intrusive free queue with O(1)
@@ -20,7 +20,7 @@ from minirad import (
     OutOfMemoryError,
     UnknownBlockError,
 )
-from minirad.block_pool import hash_block_tokens, none_hash
+from minirad.kvcache.block_pool import hash_block_tokens, none_hash
 
 
 def queue_ids(pool: BlockPool) -> list[int]:

@@ -235,7 +235,7 @@ def test_chapter_10s_request_slider_moves_the_trees_before_running(trusted_lab, 
     """The slider under the replicas' trees works from the saved widget state: each tree goes
     to the frame at which that request's blocks had arrived, as the recording says."""
     import viz
-    from minirad.recordings import RECORDINGS_DIR
+    from minirad.course.recordings import RECORDINGS_DIR
 
     notebook = "notebooks/10_replicas.ipynb"
     console = Console().watch(page)

@@ -36,8 +36,8 @@ from browser_tools import (
     write_notebook,
 )
 
-from minirad.vllm_env import VLLM_BLOCK_SIZE
-from minirad.vllm_server import DEFAULT_MODEL_DIR, VLLMServer
+from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
+from minirad.peers.vllm_server import DEFAULT_MODEL_DIR, VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "data" / "images"

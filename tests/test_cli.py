@@ -1,4 +1,5 @@
-"""The ``minirad`` command (``minirad.cli.main``) on a tiny config-built LLaVA saved to disk.
+"""The ``minirad`` command (``minirad.entrypoints.cli.main``) on a tiny config-built LLaVA saved to
+disk.
 
 The reference for every answer is Hugging Face ``generate()`` on the same templated prompt;
 the cache statistics are checked against what the requests share (a prefix, an image).
@@ -19,7 +20,8 @@ import torch
 from PIL import Image
 from tiny_models import IMAGE_SIZE, LLAVA_IMAGE_TOKENS, tiny_llava, tiny_llava_processor
 
-from minirad.cli import JSONL_FIELDS, build_parser, chat_prompt, cut_note, finish_note, main
+from minirad.entrypoints.chat_utils import chat_prompt
+from minirad.entrypoints.cli import JSONL_FIELDS, build_parser, cut_note, finish_note, main
 
 # A chat template over the tiny word-level vocabulary ("w4" .. "w95" are words): the role
 # and turn markers are ordinary words, so the prompt tokenizes without unknown tokens.
@@ -221,7 +223,7 @@ def test_help_and_argument_errors_do_not_import_torch():
         import contextlib, io, sys
         import minirad
         assert "torch" not in sys.modules, "import minirad"
-        from minirad.cli import main
+        from minirad.entrypoints.cli import main
         quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
         for argv in (["--help"], ["generate", "--help"], ["batch", "x", "--policy", "no"],
                      ["generate", "--prompt", ""]):
@@ -518,7 +520,7 @@ def test_bad_inputs_are_refused_before_the_engine_import(tiny_dir, tmp_path):
     code = textwrap.dedent(
         """
         import contextlib, io, json, sys
-        from minirad.cli import main
+        from minirad.entrypoints.cli import main
         results = []
         for argv in json.loads(sys.argv[1]):
             err = io.StringIO()
@@ -572,7 +574,7 @@ def test_batch_help_describes_the_jsonl_fields_and_every_flag():
 def test_serve_help_says_what_a_wildcard_host_exposes_and_a_bare_port_is_loopback():
     """``--help`` suggested ``tcp://*:5557``, which publishes every prompt's token ids on
     every interface. It now says what ``*`` exposes, and a bare port binds loopback."""
-    from minirad.cli import _kv_events_endpoint
+    from minirad.entrypoints.cli import _kv_events_endpoint
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     text = " ".join(serve.format_help().split())
@@ -619,8 +621,8 @@ def test_generate_with_each_constraint(shipped_engine, tmp_path):
     the answer is the engine's constrained one, and it is what the grammar allows."""
     import jsonschema
 
+    from minirad.course.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
     from minirad.engine import SamplingParams
-    from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
 
     (tmp_path / "shapes.json").write_text(json.dumps(SHAPES_JSON_SCHEMA))
     gen = ["generate", "--image", SHAPES_IMAGE, "--max-new-tokens", "120"]
@@ -649,7 +651,7 @@ def test_generate_with_each_constraint(shipped_engine, tmp_path):
 
 
 def test_a_json_answer_cut_at_the_limit_says_it_is_not_valid_json(tmp_path):
-    from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
+    from minirad.course.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
 
     (tmp_path / "shapes.json").write_text(json.dumps(SHAPES_JSON_SCHEMA))
     argv = ["generate", "--image", SHAPES_IMAGE, "--prompt", JSON_PROMPT, "--max-new-tokens"]
@@ -668,8 +670,8 @@ def test_a_json_answer_cut_at_the_limit_says_it_is_not_valid_json(tmp_path):
 
 
 def test_cut_note_says_whether_the_cut_answer_is_complete():
+    from minirad.course.scenes import SHAPES_JSON_SCHEMA
     from minirad.engine import SamplingParams
-    from minirad.scenes import SHAPES_JSON_SCHEMA
 
     schema, choice = SamplingParams(json_schema=SHAPES_JSON_SCHEMA), SamplingParams(choice=["ab"])
     assert cut_note('{"shapes": [{"col', schema) == (
@@ -724,8 +726,8 @@ def test_a_grammar_that_does_not_compile_is_one_line_naming_it(tmp_path, flags, 
 def test_batch_lines_carry_constraints(tmp_path, shipped_engine):
     import jsonschema
 
+    from minirad.course.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
     from minirad.engine import SamplingParams
-    from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
 
     (tmp_path / "img.png").write_bytes(Path(SHAPES_IMAGE).read_bytes())
     rows = [

@@ -36,7 +36,7 @@ from minirad.engine import (
 )
 from minirad.errors import ImageError, InvalidArgumentError, RequestError
 from minirad.events import EventRecorder, StepEvent
-from minirad.multimodal import pad_input_ids
+from minirad.kvcache.multimodal import pad_input_ids
 
 ATOL = 1e-4
 MAX_NEW = 8
@@ -623,7 +623,7 @@ def test_preempted_request_does_not_count_its_own_kv_as_prefix_hits(llava):
     generated tokens included; that is recompute saved, not a prefix hit. Three 8-token prompts
     that share nothing, 24 new tokens each, in a pool of 48 slots: they must preempt, and the
     hit rate must stay 0 (it read "25 cached / 24 prompt tokens" before the fix)."""
-    from minirad.cli import run_batch
+    from minirad.entrypoints.cli import run_batch
 
     engine = LLMEngine(llava[0], None, num_kv_slots=48)
     params = SamplingParams(max_new_tokens=24, stop_token_ids=())

@@ -10,7 +10,7 @@ from exercise_contract import ExerciseContract, common_len
 
 from minirad import RadixCache, Req, TokenToKVPoolAllocator
 from minirad.exercises import ch00
-from minirad.tokenizer import load_tokenizer
+from minirad.models.tokenizer import load_tokenizer
 
 TOK = load_tokenizer()
 SYSTEM = "You are a helpful assistant. "

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from exercise_contract import ExerciseContract, common_len
 
+from minirad.course.scenario import ScenarioReplay
 from minirad.exercises import ch03
-from minirad.scenario import ScenarioReplay
 
 
 def edges(keys: list[list[int]]) -> dict[tuple, tuple]:

@@ -20,8 +20,8 @@ from PIL import Image
 from transformers import AutoConfig, AutoProcessor
 
 from minirad.exercises import ch05
+from minirad.kvcache.multimodal import pad_value
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.multimodal import pad_value
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import functools
 from exercise_contract import ExerciseContract
 
 from minirad.exercises import ch07
-from minirad.tokenizer import load_tokenizer
+from minirad.models.tokenizer import load_tokenizer
 from viz.sources import scenario_frames
 
 

@@ -19,11 +19,11 @@ from exercise_contract import ExerciseContract, common_len
 from PIL import Image
 from transformers import AutoConfig
 
-from minirad import recordings
+from minirad.course import recordings
 from minirad.exercises import ch08
 from minirad.kv_events import BlockStored
+from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.vllm_env import VLLM_BLOCK_SIZE
 
 
 @functools.cache

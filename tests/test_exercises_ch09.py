@@ -2,7 +2,7 @@
 oracle's answer passes, near misses fail, typical mistakes get their reason, the stub is
 "not attempted", and the printed solution computes the answer.
 
-``minirad.exercises.ch09`` computes its answers with ``minirad.grammar``. The oracles use no
+``minirad.exercises.ch09`` computes its answers with ``minirad.engine.grammar``. The oracles use no
 minirad class: q1 masks bit by bit in a Python loop; q2 counts the schema's choice points by
 hand; q3 reads the tokenizer's vocabulary as strings (a token is allowed where it starts a
 choice); q4 counts spellings by dynamic programming over the vocabulary, and the mask's
@@ -21,9 +21,9 @@ import torch
 from exercise_contract import ExerciseContract, near_misses
 from transformers import AutoTokenizer
 
+from minirad.course.scenes import SHAPES_JSON_SCHEMA
 from minirad.exercises import ch09
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.scenes import SHAPES_JSON_SCHEMA
 
 
 @functools.cache
@@ -243,8 +243,8 @@ class TestExerciseContract(ExerciseContract):
 def test_q2_the_steps_do_not_depend_on_the_model():
     """The shipped model's own JSON answer, served alone: one engine step per token it chose,
     as counted by hand for its number of shapes, and the rest forced."""
+    from minirad.course.scenes import JSON_PROMPT
     from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
-    from minirad.scenes import JSON_PROMPT
 
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL_DIR)
     content = [{"type": "image"}, {"type": "text", "text": JSON_PROMPT}]

@@ -3,7 +3,7 @@ oracle's answer passes, near misses fail, typical mistakes get their reason, the
 "not attempted", and the printed solution computes the answer.
 
 ``minirad.exercises.ch10`` computes its answers with the routing simulator and the router
-policies of ``minirad.routing``. The oracles use no minirad class: q1 and q4 route by hand
+policies of ``minirad.cluster.routing``. The oracles use no minirad class: q1 and q4 route by hand
 (request ``i`` on replica ``i % N``, or everything on one replica) and count each request's
 reuse by prefix arithmetic on plain lists (its longest common prefix with what its replica
 computed before, at most all but its last prompt token, whole pages only); q2 keeps the list

@@ -1,4 +1,4 @@
-"""minirad.grammar on its own: the bitmask, the compiler's cache, typed errors, jump-forward.
+"""minirad.engine.grammar on its own: the bitmask, the compiler's cache, typed errors, jump-forward.
 
 Every expectation is derived, never typed in: the masked logits from a per-token loop over the
 bitmask's bits, the forced prefix from the schema's compact JSON (``json.dumps`` of the
@@ -15,15 +15,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minirad.errors import GrammarError, InvalidArgumentError
-from minirad.grammar import (
+from minirad.course.scenes import COLOURS, SHAPES, SHAPES_JSON_SCHEMA
+from minirad.engine.grammar import (
     GrammarCompiler,
     GrammarLogitsProcessor,
     allocate_token_bitmask,
     apply_token_bitmask,
 )
-from minirad.sampling_params import SamplingParams
-from minirad.scenes import COLOURS, SHAPES, SHAPES_JSON_SCHEMA
+from minirad.engine.sampling_params import SamplingParams
+from minirad.errors import GrammarError, InvalidArgumentError
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "data" / "models" / "minirad-tiny-llava"
 VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["text_config"]["vocab_size"]

@@ -171,7 +171,7 @@ def get(base: str, token: str, path: str) -> tuple[int, bytes]:
 def test_make_lab_serves_the_repository_opens_the_tour_and_fetches_no_news(tmp_path):
     with make_lab(tmp_path) as (base, token, runtime):
         # The chapters send the learner to these: all inside the server's root.
-        for path in ("notebooks/00_tour.ipynb", "minirad/radix_cache.py", "data", "tools"):
+        for path in ("notebooks/00_tour.ipynb", "minirad/kvcache/radix_cache.py", "data", "tools"):
             status, _ = get(base, token, f"/api/contents/{path}")
             assert status == 200, f"make lab's JupyterLab cannot open {path} ({status})"
         # The page it opens: the tour (the browser is sent to this file's URL).

@@ -13,10 +13,10 @@ import pytest
 import torch
 from tiny_models import bytes_per_token
 
+from minirad.course.scenes import DEFAULT_IMAGE_SIZE, random_scene, render
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.events import EvictEvent
 from minirad.models import DEFAULT_MODEL_DIR, load_model
-from minirad.scenes import DEFAULT_IMAGE_SIZE, random_scene, render
 
 MAX_NEW = 24
 QUESTIONS = ("Describe the image.", "What colour is the circle?", "How many shapes are there?")

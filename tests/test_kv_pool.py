@@ -1,4 +1,5 @@
-"""Unit tests of the physical KV tensor and the token-slot allocator (``minirad.kv_pool``)."""
+"""Unit tests of the physical KV tensor and the token-slot allocator
+(``minirad.kvcache.kv_pool``)."""
 
 from __future__ import annotations
 

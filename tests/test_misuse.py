@@ -20,7 +20,7 @@ from minirad import (
     TokenToKVPoolAllocator,
     UnknownBlockError,
 )
-from minirad.dot import radix_tree
+from minirad.course.dot import radix_tree
 from minirad.events import ResetEvent, event_from_dict
 
 

@@ -23,7 +23,8 @@ from tiny_models import (
 from transformers import LlavaConfig, MistralConfig, Qwen2ForCausalLM, Qwen2VLConfig
 
 from minirad.errors import ImageError, InvalidArgumentError, UnsupportedModelError
-from minirad.kv_pool import KVCache
+from minirad.kvcache.kv_pool import KVCache
+from minirad.kvcache.multimodal import placeholder_runs
 from minirad.models import (
     ForwardBatch,
     PagedDecoder,
@@ -33,7 +34,6 @@ from minirad.models import (
     kv_cache_dims,
     load_model,
 )
-from minirad.multimodal import placeholder_runs
 
 ATOL = 1e-4
 DECODE_STEPS = 8

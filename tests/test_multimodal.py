@@ -1,4 +1,4 @@
-"""Image-aware cache keys (``minirad.multimodal``) in both caches.
+"""Image-aware cache keys (``minirad.kvcache.multimodal``) in both caches.
 
 Two prompts with the same text and different images have identical token ids (the image is a
 run of placeholder tokens), yet different KV from the first image token on. SGLang gives each
@@ -24,7 +24,7 @@ from minirad import (
     pad_input_ids,
     pad_value,
 )
-from minirad.multimodal import block_extra_keys, placeholder_runs
+from minirad.kvcache.multimodal import block_extra_keys, placeholder_runs
 
 VOCAB = 100
 IMG = 99  # the image placeholder token id

@@ -18,7 +18,7 @@ from minirad import InvalidArgumentError
 from minirad.bench.optimal import belady
 from minirad.bench.radix import replay
 from minirad.bench.trace import ChatTrace, TraceEvent, TraceRequest, make_chat_trace
-from minirad.eviction import POLICIES
+from minirad.kvcache.eviction import POLICIES
 
 
 def _trace(requests: list[tuple[list[int], list[int]]], order: list[tuple[str, int]]) -> ChatTrace:

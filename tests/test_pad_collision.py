@@ -1,9 +1,9 @@
 """Issue 11 point 2: two different images must never share KV through the radix key.
 
-An image enters the radix key as its pad id (:func:`minirad.multimodal.pad_value`). When that id
-kept 30 bits of the image hash (SGLang's ``hash % 2**30``), two of about 2**15 images shared
+An image enters the radix key as its pad id (:func:`minirad.kvcache.multimodal.pad_value`). When
+that id kept 30 bits of the image hash (SGLang's ``hash % 2**30``), two of about 2**15 images shared
 one, and the second was answered from the first one's KV. The pair below is two scenes of
-:mod:`minirad.scenes` (by layout seed) whose hashes agree in those 30 bits: a search over the
+:mod:`minirad.course.scenes` (by layout seed) whose hashes agree in those 30 bits: a search over the
 first 50,000 seeds found it (``render(random_scene(Random(seed)))``, hashed with the shipped
 model's image processor, a dict of pad ids). Stored as seeds, not image files.
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from minirad.course.scenes import CAPTION_PROMPT, caption, random_scene, render
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
-from minirad.multimodal import pad_value
-from minirad.scenes import CAPTION_PROMPT, caption, random_scene, render
+from minirad.kvcache.multimodal import pad_value
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "models" / "minirad-tiny-llava"
 SEED_A, SEED_B = 24373, 49760  # "a yellow square" / three shapes, top to bottom

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirad.errors import InvalidArgumentError
-from minirad.kv_pool import KVCache, slot_mapping
-from minirad.paged_attention import (
+from minirad.kvcache.kv_pool import KVCache, slot_mapping
+from minirad.models.paged_attention import (
     AttentionMetadata,
     block_table_to_kv_slots,
     paged_attention,

@@ -1,4 +1,4 @@
-"""Unit tests of the radix prefix cache (``minirad.radix_cache``).
+"""Unit tests of the radix prefix cache (``minirad.kvcache.radix_cache``).
 
 Scenarios follow SGLang's semantics (``python/sglang/srt/mem_cache/radix_cache.py`` and its
 unit tests): split on match, ``lock_ref`` on the whole path, page alignment, cascading
@@ -25,7 +25,7 @@ from minirad import (
     TokenToKVPoolAllocator,
     UnknownBlockError,
 )
-from minirad.dot import radix_tree
+from minirad.course.dot import radix_tree
 
 
 def nodes(cache: RadixCache) -> list:
@@ -530,9 +530,9 @@ def test_format_tree_and_the_drawing_show_every_node() -> None:
 def test_the_cache_imports_without_graphviz() -> None:
     """Drawing is not part of the cache: graphviz loads only when a tree is drawn."""
     code = (
-        "import sys; from minirad.radix_cache import RadixCache; c = RadixCache(); "
+        "import sys; from minirad.kvcache.radix_cache import RadixCache; c = RadixCache(); "
         "c.insert([1]); print('graphviz' in sys.modules); "
-        "from minirad.dot import radix_tree; radix_tree(c); "
+        "from minirad.course.dot import radix_tree; radix_tree(c); "
         "print('graphviz' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -592,7 +592,7 @@ def test_evicting_from_a_pool_cleared_under_the_cache_raises() -> None:
 
 # ----------------------------------------------------------------- found by a new user (issue 12)
 def test_closed_session_policy_takes_any_slot_and_a_late_close_is_not_lost():
-    from minirad.eviction import ClosedSessionLRUPolicy
+    from minirad.kvcache.eviction import ClosedSessionLRUPolicy
 
     policy = ClosedSessionLRUPolicy()
     cache = RadixCache(1, policy)
@@ -609,7 +609,7 @@ def test_closed_session_policy_takes_any_slot_and_a_late_close_is_not_lost():
 
 
 def test_closed_leaf_goes_first():
-    from minirad.eviction import ClosedSessionLRUPolicy
+    from minirad.kvcache.eviction import ClosedSessionLRUPolicy
 
     policy = ClosedSessionLRUPolicy()
     cache = RadixCache(1, policy)

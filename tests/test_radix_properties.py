@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minirad import POLICIES, EventBus, RadixCache, Req, TokenToKVPoolAllocator, TreeNode
 from minirad.events import EvictEvent
-from minirad.kv_pool import block_table_from_slots
+from minirad.kvcache.kv_pool import block_table_from_slots
 
 PAGE_SIZES = (1, 2, 4)
 CAPACITY_PAGES = 12

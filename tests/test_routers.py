@@ -14,17 +14,18 @@ import time
 import pytest
 
 import viz
-from minirad.bench.replicas import format_table, make_prompts, run_route
-from minirad.errors import InvalidArgumentError, PeerError
-from minirad.kv_events import AllBlocksCleared, BlockStored
-from minirad.replicas import (
+from minirad.bench.common import make_prompts
+from minirad.bench.replicas import format_table, run_route
+from minirad.cluster.replicas import (
     MiniradWorker,
     Router,
     parse_counters,
     send_routed,
     worker_counters,
 )
-from minirad.tokenizer import load_tokenizer
+from minirad.errors import InvalidArgumentError, PeerError
+from minirad.kv_events import AllBlocksCleared, BlockStored
+from minirad.models.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("router_venv")
 

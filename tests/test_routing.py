@@ -1,4 +1,4 @@
-"""Router policies (minirad.routing) and the replica simulator (minirad.bench.routing)."""
+"""Router policies (minirad.cluster.routing) and the replica simulator (minirad.bench.routing)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from minirad.bench import main
-from minirad.bench.replicas import (
+from minirad.bench.common import (
     RouteRun,
     fastest_runs,
     load_runs,
@@ -25,17 +25,17 @@ from minirad.bench.routing import (
     skewed,
 )
 from minirad.bench.trace import make_chat_trace
-from minirad.errors import InvalidArgumentError
-from minirad.kv_pool import TokenToKVPoolAllocator
-from minirad.radix_cache import RadixCache, Req
-from minirad.replicas import WorkerCounters
-from minirad.routing import (
+from minirad.cluster.replicas import WorkerCounters
+from minirad.cluster.routing import (
     POLICIES,
     ApproxTree,
     CacheAwarePolicy,
     KVAwarePolicy,
     RoundRobinPolicy,
 )
+from minirad.errors import InvalidArgumentError
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.radix_cache import RadixCache, Req
 
 BIG = 1 << 16  # tokens per replica: the calibration workload never evicts
 
@@ -143,8 +143,8 @@ def test_the_simulator_agrees_with_the_real_routers_within_two_points():
     routers with our workers and with vLLM's (data/recordings/replicas_*.json): within 2
     points (issue 14's acceptance), and cache_aware splits the requests as every real round
     did."""
-    from minirad.bench.replicas import load_runs
-    from minirad.tokenizer import load_tokenizer
+    from minirad.bench.common import load_runs
+    from minirad.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     trace = prompts_trace(tokenizer, make_prompts(tokenizer))

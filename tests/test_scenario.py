@@ -1,4 +1,4 @@
-"""The Figure 3 replay (``minirad.scenario`` + ``data/scenarios/figure3.json``).
+"""The Figure 3 replay (``minirad.course.scenario`` + ``data/scenarios/figure3.json``).
 
 Two independent sources of truth are checked after each of the nine steps:
 
@@ -23,10 +23,16 @@ from pathlib import Path
 import pytest
 
 from minirad import RadixCache
+from minirad.course.scenario import (
+    DEFAULT_SCENARIO,
+    LABEL_SEP,
+    ScenarioReplay,
+    draw_step,
+    load_scenario,
+)
 from minirad.errors import InvalidArgumentError
-from minirad.event_tree import EventTree
 from minirad.events import EventBus, EventRecorder, event_from_dict
-from minirad.scenario import DEFAULT_SCENARIO, LABEL_SEP, ScenarioReplay, draw_step, load_scenario
+from minirad.kv_events.event_tree import EventTree
 
 # The reference table (sglang-figure3.md), step by step: the letters the figure's caption
 # uses for nodes added / accessed / evicted / split / left untouched, and how many nodes

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minirad.scenes import (
+from minirad.course.scenes import (
     CAPTION_PROMPT,
     COLOURS,
     COUNT_WORDS,
@@ -32,7 +32,7 @@ from minirad.scenes import (
     save_chapter_images,
     shapes_json,
 )
-from minirad.tokenizer import DEFAULT_TOKENIZER_DIR
+from minirad.models.tokenizer import DEFAULT_TOKENIZER_DIR
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 

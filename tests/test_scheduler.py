@@ -14,8 +14,8 @@ from minirad.engine import PREFIX_STRATEGIES, Request, SamplingParams, Scheduler
 from minirad.engine.processing import ImageSegment
 from minirad.errors import InvalidArgumentError, RequestError
 from minirad.events import EventBus, EventRecorder
-from minirad.kv_pool import TokenToKVPoolAllocator, block_table_from_slots
-from minirad.radix_cache import RadixCache
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator, block_table_from_slots
+from minirad.kvcache.radix_cache import RadixCache
 
 
 def make_scheduler(num_slots=256, page_size=1, bus=None, **config):

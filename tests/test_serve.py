@@ -1,5 +1,5 @@
-"""``minirad serve`` (minirad/serve.py): a real uvicorn server on the shipped tiny model, asked
-with the real ``openai`` client and plain HTTP.
+"""``minirad serve`` (minirad/entrypoints/openai/api_server.py): a real uvicorn server on the
+shipped tiny model, asked with the real ``openai`` client and plain HTTP.
 
 Every answer is checked against a second :class:`~minirad.engine.LLMEngine` on the same model
 (greedy), never against written-down strings; the counters against the engine's own counts.
@@ -29,12 +29,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import serving
 
-from minirad.cli import chat_prompt
+from minirad.course.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
+from minirad.entrypoints.chat_utils import chat_prompt
+from minirad.entrypoints.openai.api_server import build_app
+from minirad.entrypoints.openai.protocol import MAX_N
 from minirad.kv_events import BlockStored, KVEventSubscriber, Notice
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
-from minirad.serve import MAX_N, build_app
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "data" / "images"
@@ -688,7 +689,7 @@ def test_serve_checks_its_flags_before_loading_anything():
     code = textwrap.dedent(
         """
         import contextlib, io, sys
-        from minirad.cli import main
+        from minirad.entrypoints.cli import main
         import socket
         err, out = io.StringIO(), io.StringIO()
         busy = socket.socket()

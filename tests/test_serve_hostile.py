@@ -31,10 +31,11 @@ import pytest
 from PIL import Image, PngImagePlugin
 from servers import serving
 
-from minirad.cli import chat_prompt
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
+from minirad.entrypoints.chat_utils import chat_prompt
+from minirad.entrypoints.openai.api_server import build_app
+from minirad.entrypoints.openai.protocol import INTERNAL_ERROR
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.serve import INTERNAL_ERROR, build_app
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "data" / "images"

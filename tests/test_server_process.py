@@ -1,4 +1,4 @@
-"""The subprocess lifecycle every local server shares (minirad.server_process), on a real
+"""The subprocess lifecycle every local server shares (minirad.peers.server_process), on a real
 ``minirad serve`` worker: start from any thread, a taken port, bad cores, nothing left behind."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
+from minirad.cluster.replicas import MiniradWorker
 from minirad.errors import InvalidArgumentError, PeerError
-from minirad.replicas import MiniradWorker
-from minirad.server_process import usable_cpus
+from minirad.peers.server_process import usable_cpus
 
 
 @pytest.mark.parametrize("cpus", [[], [True], 0, "0", [max(usable_cpus()) + 1]])

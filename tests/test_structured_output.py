@@ -19,12 +19,12 @@ import pytest
 import torch
 from PIL import Image
 
+from minirad.course.scenes import COLOURS, JSON_PROMPT, SHAPES, SHAPES_JSON_SCHEMA
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
+from minirad.engine.grammar import GrammarCompiler, GrammarLogitsProcessor, allocate_token_bitmask
 from minirad.errors import GrammarError
 from minirad.events import EventRecorder, JumpForwardEvent, StepEvent
-from minirad.grammar import GrammarCompiler, GrammarLogitsProcessor, allocate_token_bitmask
 from minirad.models import load_model
-from minirad.scenes import COLOURS, JSON_PROMPT, SHAPES, SHAPES_JSON_SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "data" / "models" / "minirad-tiny-llava"

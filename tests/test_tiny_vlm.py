@@ -20,8 +20,7 @@ from transformers import (
     LlavaProcessor,
 )
 
-from minirad.models import DEFAULT_MODEL_DIR
-from minirad.scenes import (
+from minirad.course.scenes import (
     CAPTION_PROMPT,
     JSON_PROMPT,
     JSON_TASK,
@@ -32,8 +31,7 @@ from minirad.scenes import (
     random_scene,
     render,
 )
-from minirad.tokenizer import IM_END, IMAGE_TOKEN, load_tokenizer
-from minirad.train import (
+from minirad.course.train import (
     EVAL_SEED,
     MAX_ANSWER_TOKENS,
     QUESTION_WEIGHTS,
@@ -48,6 +46,8 @@ from minirad.train import (
     main,
     make_examples,
 )
+from minirad.models import DEFAULT_MODEL_DIR
+from minirad.models.tokenizer import IM_END, IMAGE_TOKEN, load_tokenizer
 
 TEST_SEED = 20_261_130  # neither the training stream (seed 0 + ...) nor the model card's EVAL_SEED
 MAX_BYTES = 10 * 2**20
@@ -184,7 +184,7 @@ def test_model_card_reports_the_measured_numbers():
     assert f"{total:,}" in card
     size = (DEFAULT_MODEL_DIR / "model.safetensors").stat().st_size
     assert f"{size:,} bytes" in card
-    assert "python -m minirad.train --out data/models/minirad-tiny-llava" in card
+    assert "python -m minirad.course.train --out data/models/minirad-tiny-llava" in card
     assert f"seed {EVAL_SEED}" in card
     assert "Measured training time" in card
 
@@ -303,7 +303,7 @@ def test_training_smoke_run_is_deterministic(tmp_path):
     )
     assert isinstance(answers[0], str)
     card = (outs[0] / "README.md").read_text()
-    assert "python -m minirad.train --out" in card and "--steps 2" in card
+    assert "python -m minirad.course.train --out" in card and "--steps 2" in card
     assert_hub_layout(outs[0] / "model.safetensors")
 
 
@@ -369,7 +369,7 @@ TRUTH = {
 def test_readme_main_path(capsys):
     """The README's first commands: the shipped model, served by our engine through the CLI,
     answers the shipped questions about the shipped pictures correctly."""
-    from minirad.cli import main as cli
+    from minirad.entrypoints.cli import main as cli
 
     image = DEFAULT_MODEL_DIR.parents[1] / "images" / "purple_circle_green_square_red_triangle.png"
     assert cli(["generate", "--image", str(image), "--prompt", "What colour is the circle?"]) == 0

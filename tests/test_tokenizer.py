@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minirad.tokenizer import (
+from minirad.models.tokenizer import (
     DEFAULT_TOKENIZER_DIR,
     DEFAULT_VOCAB_SIZE,
     EOS_TOKEN,
@@ -33,7 +33,7 @@ def test_loads_offline_from_the_repository(tok, monkeypatch):
 
 
 def test_missing_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m minirad.tokenizer"):
+    with pytest.raises(FileNotFoundError, match="python -m minirad.models.tokenizer"):
         load_tokenizer(tmp_path)
 
 
@@ -151,7 +151,7 @@ def test_retraining_reproduces_the_committed_tokenizer(tmp_path):
     retrained.save_pretrained(str(tmp_path))
     committed = (DEFAULT_TOKENIZER_DIR / "tokenizer.json").read_text()
     assert (tmp_path / "tokenizer.json").read_text() == committed, (
-        "data/tokenizer/tokenizer.json is stale: run `python -m minirad.tokenizer`"
+        "data/tokenizer/tokenizer.json is stale: run `python -m minirad.models.tokenizer`"
     )
 
 

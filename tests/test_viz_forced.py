@@ -6,8 +6,8 @@ allows, so the answers fork whatever the weights. The grammar forces ``{"shapes"
 and every key and brace after it. The frames are built from the events only; the reference is
 what each request was forced to write, read from its own ``JumpForwardEvent``s and its output
 ids, and the tokens the tree holds along its path (the builder's
-:class:`~minirad.event_tree.EventTree`, checked against the real cache). Whatever the model
-samples, a token of the tree is marked forced exactly where the request that computed it was
+:class:`~minirad.kv_events.event_tree.EventTree`, checked against the real cache). Whatever the
+model samples, a token of the tree is marked forced exactly where the request that computed it was
 forced: the marks do not depend on the model's answers being right.
 """
 
@@ -17,11 +17,11 @@ import functools
 
 import pytest
 
+from minirad.course.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.events import EventBus, EventRecorder, JumpForwardEvent, load_events, save_events
+from minirad.kvcache.radix_cache import RadixCache
 from minirad.models import DEFAULT_MODEL_DIR, load_model
-from minirad.radix_cache import RadixCache
-from minirad.scenes import JSON_PROMPT, SHAPES_JSON_SCHEMA
 from viz import FrameBuilder, frame_svg, frames_from_events
 from viz.sources import builder_for, engine_frames
 from viz.svg import FORCED

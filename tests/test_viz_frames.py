@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from minirad import RadixCache
-from minirad.block_pool import BlockPool
+from minirad.course.scenario import ScenarioReplay
 from minirad.events import EventBus, EventRecorder, StepEvent, load_events, save_events
-from minirad.kv_pool import TokenToKVPoolAllocator
-from minirad.multimodal import hash_image
-from minirad.scenario import ScenarioReplay
+from minirad.kvcache.block_pool import BlockPool
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.multimodal import hash_image
 from viz import FrameBuilder, RadixView, frames_from_events, image_names
 from viz.frame import StepView
 from viz.sources import scenario_frames

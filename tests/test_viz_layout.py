@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirad.event_tree import EventTree
 from minirad.events import EvictEvent, InsertEvent, SplitEvent
+from minirad.kv_events.event_tree import EventTree
 from viz import StableLayout
 from viz.sources import scenario_frames
 

@@ -16,7 +16,7 @@ from tiny_models import IMAGE_SIZE, tiny_llava_processor, tiny_model
 
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.events import EventRecorder, StepEvent
-from minirad.multimodal import hash_image
+from minirad.kvcache.multimodal import hash_image
 from viz import RadixView, frames_from_events, image_names
 from viz.sources import engine_frames
 

@@ -12,10 +12,10 @@ import functools
 import pytest
 from transformers import AutoTokenizer
 
+from minirad.engine.grammar import GrammarCompiler, allocate_token_bitmask
+from minirad.engine.sampling_params import SamplingParams
 from minirad.errors import InvalidArgumentError
-from minirad.grammar import GrammarCompiler, allocate_token_bitmask
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.sampling_params import SamplingParams
 from viz.token_fsm import allowed_token_ids, explore_grammar, token_fsm_graph
 
 CHOICES = ["red", "green", "blue"]

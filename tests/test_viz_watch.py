@@ -11,7 +11,7 @@ import time
 import zmq
 
 import viz
-from minirad import recordings
+from minirad.course import recordings
 from minirad.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -142,8 +142,8 @@ def test_a_dead_endpoint_is_said_on_the_status_line():
 
 
 def test_our_engine_in_process_follows_the_same_viewer():
-    from minirad.block_events import RadixBlockEvents
-    from minirad.radix_cache import RadixCache
+    from minirad.kv_events.block_events import RadixBlockEvents
+    from minirad.kvcache.radix_cache import RadixCache
 
     cache = RadixCache()
     follower = viz.BlockCacheView(model_dir=None)

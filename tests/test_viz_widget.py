@@ -20,7 +20,7 @@ from tiny_models import IMAGE_SIZE, tiny_llava_processor, tiny_model
 
 from minirad import RadixCache
 from minirad.events import EventBus, EventRecorder
-from minirad.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
 from viz import RadixView, frames_from_events, run_engine
 from viz.export import STATIC, html_page
 from viz.frame import frames_to_wire
@@ -390,7 +390,7 @@ def test_run_engine_shows_the_engines_tree_and_image_chips():
     from PIL import Image
 
     from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
-    from minirad.multimodal import hash_image
+    from minirad.kvcache.multimodal import hash_image
 
     model, processor = tiny_model("llava-llama"), tiny_llava_processor()
     engine = LLMEngine(model, processor, num_kv_slots=256)

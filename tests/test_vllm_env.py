@@ -1,4 +1,5 @@
-"""minirad.vllm_env: finding the vLLM venv, and subprocesses that do not outlive their parent."""
+"""minirad.peers.vllm_env: finding the vLLM venv, and subprocesses that do not outlive their
+parent."""
 
 import os
 import signal
@@ -9,11 +10,11 @@ import time
 import pytest
 
 from minirad.errors import PeerError
-from minirad.vllm_env import vllm_python
+from minirad.peers.vllm_env import vllm_python
 
 PARENT = """
 import subprocess, sys
-from minirad.vllm_env import die_with_parent
+from minirad.peers.vllm_env import die_with_parent
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                          start_new_session=True, preexec_fn=die_with_parent)
 print(child.pid, flush=True)

@@ -18,6 +18,7 @@ import time
 import msgspec
 import pytest
 
+from minirad.course.scenes import SYSTEM_PROMPTS, questions, random_scene, render
 from minirad.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -27,9 +28,8 @@ from minirad.kv_events import (
     Notice,
     encode_batch,
 )
-from minirad.scenes import SYSTEM_PROMPTS, questions, random_scene, render
-from minirad.vllm_env import VLLM_BLOCK_SIZE
-from minirad.vllm_server import DEFAULT_MODEL_DIR, VLLMServer
+from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
+from minirad.peers.vllm_server import DEFAULT_MODEL_DIR, VLLMServer
 
 IMAGE_TOKEN_ID = 3  # data/models/minirad-tiny-llava/config.json: image_token_index
 IMAGE_START = 3  # the prompt is [<|im_start|>, user, \n, image x 64, \n, question...]

@@ -4,8 +4,8 @@
   engine bench's workloads and on the chapters' requests (data/requests/questions.jsonl and
   the requests that notebooks 05, 06 and 07 send to an engine, rebuilt here as their cells
   build them).
-- Cached tokens: our vLLM-style :class:`~minirad.kv_cache_manager.KVCacheManager` at vLLM's block
-  size (32 here), with a pool of as many usable blocks as the real vLLM's, fed the prompt and
+- Cached tokens: our vLLM-style :class:`~minirad.kvcache.kv_cache_manager.KVCacheManager` at vLLM's
+  block size (32 here), with a pool of as many usable blocks as the real vLLM's, fed the prompt and
   output token ids vLLM reports and the images as extra keys, finds the same prefix hits as
   vLLM's ``num_cached_tokens``, request by request, with evictions. The requests are sent one
   at a time, so that the order of vLLM's allocations is known; our manager is driven as
@@ -27,16 +27,19 @@ import pytest
 import torch
 from PIL import Image
 
-from minirad.bench.engine import Workload, default_workloads, run_minirad
+from minirad.bench.common import Workload
+from minirad.bench.engine import default_workloads, run_minirad
 from minirad.bench.peer import VLLMPeer
-from minirad.cli import chat_prompt, load_requests
+from minirad.course.scenes import CAPTION_PROMPT, SYSTEM_PROMPTS
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
+from minirad.entrypoints.chat_utils import chat_prompt
+from minirad.entrypoints.cli import load_requests
 from minirad.errors import PeerError
-from minirad.kv_cache_manager import KVCacheManager, serve_one_at_a_time
+from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
+from minirad.kvcache.kv_cache_manager import KVCacheManager, serve_one_at_a_time
+from minirad.kvcache.multimodal import MultiModalItem, hash_image, placeholder_runs
 from minirad.models import DEFAULT_MODEL_DIR, load_model
-from minirad.multimodal import MultiModalItem, hash_image, placeholder_runs
-from minirad.scenes import CAPTION_PROMPT, SYSTEM_PROMPTS
-from minirad.vllm_env import REPO_ROOT, VLLM_BLOCK_SIZE
+from minirad.peers.vllm_env import REPO_ROOT
 
 POOL_BLOCKS = 24  # vLLM's num_gpu_blocks_override; its block 0 is the null block
 IMAGES = REPO_ROOT / "data" / "images"

@@ -8,8 +8,8 @@ structure of the KV events (block counts, parents, token ids), not timestamps or
 
 import pytest
 
-from minirad import recordings
-from minirad.vllm_server import VLLMServer
+from minirad.course import recordings
+from minirad.peers.vllm_server import VLLMServer
 
 
 @pytest.fixture(scope="module")

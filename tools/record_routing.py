@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from minirad.bench.replicas import make_prompts
-from minirad.recordings import RECORDINGS_DIR
-from minirad.replicas import MiniradWorker, Router
-from minirad.tokenizer import load_tokenizer
+from minirad.bench.common import make_prompts
+from minirad.cluster.replicas import MiniradWorker, Router
+from minirad.course.recordings import RECORDINGS_DIR
+from minirad.models.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import viz  # noqa: E402  (the repository root, when run as a script)

@@ -1,8 +1,8 @@
 """``python -m viz.bench``: how fast the visualizer follows a big, busy radix tree.
 
 1. **Python.** A multi-turn chat trace (:func:`minirad.bench.trace.make_chat_trace`, >= 1,000
-   requests) runs through a real :class:`~minirad.radix_cache.RadixCache` and
-   :class:`~minirad.kv_pool.TokenToKVPoolAllocator`, each request as the scheduler does it
+   requests) runs through a real :class:`~minirad.kvcache.radix_cache.RadixCache` and
+   :class:`~minirad.kvcache.kv_pool.TokenToKVPoolAllocator`, each request as the scheduler does it
    (match and lock the prefix, evict when the pool is short, allocate, insert when finished;
    see :mod:`minirad.bench.radix`), with a :class:`~viz.frame_builder.FrameBuilder`
    subscribed to the cache's bus taking one frame per event, as a live
@@ -42,8 +42,8 @@ from typing import Any
 
 from minirad.bench.trace import ChatTrace, make_chat_trace
 from minirad.events import EventBus
-from minirad.kv_pool import TokenToKVPoolAllocator
-from minirad.radix_cache import RadixCache, Req
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.radix_cache import RadixCache, Req
 
 from .export import write_html
 from .frame import Frame

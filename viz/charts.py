@@ -542,7 +542,7 @@ def replica_sweep_chart(
     Args:
         xs: the swept values (the x axis of both panels).
         hit_rates, imbalance: ``{policy: one value per x}``; policies named as in
-            :data:`minirad.routing.POLICIES` get their own styles.
+            :data:`minirad.cluster.routing.POLICIES` get their own styles.
         xlabel: what ``xs`` are.
         log_x: a base-2 logarithmic x axis (replica counts 2, 4, ... 64).
 

@@ -6,7 +6,7 @@ token count, ``lock_ref``, last access time and its *state* in this frame, the p
 (:class:`PoolView`), the engine step that ended the frame (:class:`StepView`), and a caption.
 The edges' texts are :class:`Label` objects shared by the frames that show them.
 
-States, as in Figure 3 of the SGLang paper (and :mod:`minirad.scenario`):
+States, as in Figure 3 of the SGLang paper (and :mod:`minirad.course.scenario`):
 
 - ``added`` (green): a new leaf;
 - ``accessed`` (blue): walked by a match or an insert;

@@ -1,9 +1,10 @@
 """Frames of the radix-tree animation (:mod:`viz.frame`), computed from ``minirad`` events only.
 
 A :class:`FrameBuilder` is an event subscriber. It rebuilds the tree from what the events say
-(a :class:`~minirad.event_tree.EventTree`, laid out by a :class:`~viz.layout.StableLayout`),
-keeps track of which KV-pool page belongs to which tree node or running request, and on
-:meth:`FrameBuilder.snapshot` freezes the state into a :class:`~viz.frame.Frame`.
+(a :class:`~minirad.kv_events.event_tree.EventTree`, laid out by a
+:class:`~viz.layout.StableLayout`), keeps track of which KV-pool page belongs to which tree node or
+running request, and on :meth:`FrameBuilder.snapshot` freezes the state into a
+:class:`~viz.frame.Frame`.
 
 A node's state (see :mod:`viz.frame`) covers every event since the previous frame, the
 strongest state winning (evicted > added > accessed > split > idle). With ``every_event=True``
@@ -43,7 +44,6 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from minirad.event_tree import RESET_SOURCE, EventTree
 from minirad.events import (
     AllocEvent,
     Event,
@@ -60,7 +60,8 @@ from minirad.events import (
     UnlockEvent,
     load_events,
 )
-from minirad.multimodal import pad_value
+from minirad.kv_events.event_tree import RESET_SOURCE, EventTree
+from minirad.kvcache.multimodal import pad_value
 
 from .frame import STATES, Frame, Label, NodeView, PoolView, StepView
 from .layout import StableLayout
@@ -68,14 +69,15 @@ from .layout import StableLayout
 __all__ = ["FrameBuilder", "frames_from_events", "image_names"]
 
 _RANK = {s: i for i, s in enumerate(STATES)}
-TREE_POOL = "token_pool"  # the allocator of the radix tree (minirad.kv_pool)
+TREE_POOL = "token_pool"  # the allocator of the radix tree (minirad.kvcache.kv_pool)
 FULL_TEXT_CHARS = 2000  # longer edges are cut in the hover text
 
 
 # ------------------------------------------------------------------ images
 def image_names(hashes: Iterable[str], vocab_size: int) -> dict[int, str]:
     """``{pad id: "img <hash prefix>"}`` for images given by their
-    :func:`minirad.multimodal.hash_image` digests: the names the frames show for image spans."""
+    :func:`minirad.kvcache.multimodal.hash_image` digests: the names the frames show for image
+    spans."""
     return {pad_value(h, vocab_size): f"img {h[:6]}" for h in hashes}
 
 
@@ -86,7 +88,7 @@ class FrameBuilder:
     Args:
         decode: token ids -> text (e.g. ``tokenizer.decode``); None shows the ids.
         vocab_size: token ids at or above it are image pad ids
-            (:func:`minirad.multimodal.pad_value`); None: only the ids in ``images`` are.
+            (:func:`minirad.kvcache.multimodal.pad_value`); None: only the ids in ``images`` are.
         images: ``{pad id: name}`` for image spans (see :func:`image_names`); other pad ids
             are named ``"img #<pad id - vocab_size in hex>"``.
         pool_size: KV pool capacity in tokens (``TokenToKVPoolAllocator.size``); None: the

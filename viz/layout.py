@@ -12,10 +12,10 @@ nothing. Here, instead, each node gets a grid cell ``(column, depth)`` once and 
 - A split (``A`` cut into ``A -> B``) puts the new node ``B`` in ``A``'s column one row down;
   ``B``'s subtree (the old children of ``A``) moves one row down. ``A`` keeps its cell.
 - An evicted node stays as a *ghost*, in its cell, until the tree releases it
-  (:meth:`minirad.event_tree.EventTree.release`, then :meth:`StableLayout.release`), so the
-  frame that evicts it can still draw it where it was. Its column then becomes free.
+  (:meth:`minirad.kv_events.event_tree.EventTree.release`, then :meth:`StableLayout.release`), so
+  the frame that evicts it can still draw it where it was. Its column then becomes free.
 
-The tree itself (parents, children, ghosts) is the :class:`~minirad.event_tree.EventTree`
+The tree itself (parents, children, ghosts) is the :class:`~minirad.kv_events.event_tree.EventTree`
 that the caller updates from the cache's events; the layout only adds the cells.
 
 Invariants (checked by :meth:`check` and the tests): no two nodes share a cell; a node's
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from minirad.event_tree import EventNode, EventTree
+from minirad.kv_events.event_tree import EventNode, EventTree
 
 __all__ = ["StableLayout"]
 

@@ -5,7 +5,7 @@ Each replica (a ``minirad serve`` worker or a real vLLM server, started with KV 
 :class:`~viz.watch.BlockCacheView` of its own, fed by its own subscriber, so the trees are
 what the replicas' caches really hold. Under them, one row per request: the replica the
 router picked (read from the workers' own request counters,
-:func:`minirad.replicas.send_routed`) and the prompt tokens that replica found cached. The
+:func:`minirad.cluster.replicas.send_routed`) and the prompt tokens that replica found cached. The
 request slider moves every tree to the moment that request's blocks had arrived; it runs in
 the browser (:class:`RouteTable`, linked to the players with ``ipywidgets.jslink``), so a
 saved notebook's slider works before its kernel runs.
@@ -47,6 +47,7 @@ import anywidget
 import ipywidgets
 import traitlets
 
+from minirad.cluster.replicas import send_routed
 from minirad.errors import InvalidArgumentError, KVEventError
 from minirad.kv_events import (
     KVEventBatch,
@@ -56,7 +57,6 @@ from minirad.kv_events import (
     batch_to_json,
 )
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.replicas import send_routed
 
 from .export import STATIC
 from .svg import side_by_side
@@ -236,15 +236,15 @@ class ReplicaCacheView(ipywidgets.VBox):
         label: str | None = None,
         quiet_s: float = 0.5,
     ) -> dict:
-        """POST ``body`` through ``router`` (a :class:`minirad.replicas.Router` whose workers
-        are this view's replicas, in order), wait until no batch has arrived for ``quiet_s``
+        """POST ``body`` through ``router`` (a :class:`minirad.cluster.replicas.Router` whose
+        workers are this view's replicas, in order), wait until no batch has arrived for ``quiet_s``
         seconds, and add the request's :class:`Route`, under ``label`` (default:
         :func:`prompt_label`). Returns the response body. One request at a time
-        (:func:`minirad.replicas.send_routed`).
+        (:func:`minirad.cluster.replicas.send_routed`).
 
         Raises:
             InvalidArgumentError: the router has another number of workers than the view.
-            PeerError: as :func:`~minirad.replicas.send_routed`.
+            PeerError: as :func:`~minirad.cluster.replicas.send_routed`.
         """
         if len(router.workers) != len(self.views):
             raise InvalidArgumentError(
@@ -360,8 +360,8 @@ def watch_replicas(
     model_dir: str | os.PathLike | None = DEFAULT_MODEL_DIR,
 ) -> ReplicaCacheView:
     """A live view of ``workers``' caches (each with ``kv_events_endpoint``: a
-    :class:`~minirad.replicas.MiniradWorker` started with ``kv_events=True``, a
-    :class:`~minirad.vllm_server.VLLMServer`), in the router's worker order.
+    :class:`~minirad.cluster.replicas.MiniradWorker` started with ``kv_events=True``, a
+    :class:`~minirad.peers.vllm_server.VLLMServer`), in the router's worker order.
 
     Args:
         names: one heading per worker; by default ``"replica i: <name> <url>"``.

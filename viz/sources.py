@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from minirad.course.scenario import ScenarioReplay, load_scenario
 from minirad.events import EventBus
-from minirad.scenario import ScenarioReplay, load_scenario
 
 from .frame import Frame
 from .frame_builder import FrameBuilder, image_names
@@ -30,7 +30,7 @@ def _decoder(tokenizer):
 def engine_image_names(engine, images: Iterable) -> dict[int, str]:
     """``{pad id: "img <hash prefix>"}`` for images as the engine hashes them."""
     from minirad.engine.processing import load_image  # the engine needs transformers: lazy
-    from minirad.multimodal import hash_image
+    from minirad.kvcache.multimodal import hash_image
 
     proc = engine.input_processor
     params = getattr(proc, "preprocess_params", {})
@@ -43,8 +43,8 @@ def builder_for(source: Any, images: Iterable = (), **overrides) -> tuple[FrameB
 
     Args:
         source: an :class:`~minirad.engine.LLMEngine` (tree + allocator + tokenizer), a
-            :class:`~minirad.radix_cache.RadixCache`, a
-            :class:`~minirad.scenario.ScenarioReplay`, or an
+            :class:`~minirad.kvcache.radix_cache.RadixCache`, a
+            :class:`~minirad.course.scenario.ScenarioReplay`, or an
             :class:`~minirad.events.EventBus`.
         images: PIL images (or paths) the engine will see, to name their spans by hash
             (engines only; other pad ids get a generic name).
@@ -94,11 +94,11 @@ def scenario_frames(
     """Replay a scenario (Figure 3 by default) through a real RadixCache and return its frames.
 
     Args:
-        scenario: a :class:`~minirad.scenario.Scenario`, the path of a scenario file, or None
+        scenario: a :class:`~minirad.course.scenario.Scenario`, the path of a scenario file, or None
             for ``data/scenarios/figure3.json``.
         per: ``"step"``: one frame per scenario step (the figure's panels); ``"event"``: one
             frame per cache or pool event, after a first frame of the empty cache.
-        tokenizer, eviction_policy: as in :class:`~minirad.scenario.ScenarioReplay`.
+        tokenizer, eviction_policy: as in :class:`~minirad.course.scenario.ScenarioReplay`.
 
     Each frame's title is the step it belongs to, ``"(4) Chat 2 starts ..."``.
 

@@ -3,14 +3,14 @@
 A grammar's state is the text accepted so far: two token sequences that spell the same text
 (``'red'`` or ``'r' 'ed'``) lead to the same state, because the grammar reads bytes, not tokens.
 :func:`explore_grammar` walks the states breadth first: in each one it asks the grammar for
-its token bitmask (:meth:`minirad.grammar.Grammar.fill_bitmask`) and follows every allowed
+its token bitmask (:meth:`minirad.engine.grammar.Grammar.fill_bitmask`) and follows every allowed
 token. :func:`token_fsm_graph` draws the result: one circle per state, one arrow per allowed
 token, the states where the mask allows exactly one token (jump-forward appends those without
 asking the model, SGLang paper §4) in teal, the tokenizer's own tokenization of each complete
 text in bold.
 
 It only uses the grammar's public API (compile, accept, fill the mask), so it works for any
-grammar :class:`~minirad.grammar.GrammarCompiler` compiles; it is meant for small ones (a
+grammar :class:`~minirad.engine.grammar.GrammarCompiler` compiles; it is meant for small ones (a
 choice list, a short regex): a JSON schema has too many states to draw.
 
 Example::
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from minirad.engine.grammar import GrammarCompiler, allocate_token_bitmask
+from minirad.engine.sampling_params import SamplingParams
 from minirad.errors import InvalidArgumentError
-from minirad.grammar import GrammarCompiler, allocate_token_bitmask
-from minirad.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import graphviz
@@ -81,8 +81,8 @@ def explore_grammar(
     """Walk ``params``' grammar state by state, breadth first, following every allowed token.
 
     Each state is reached by replaying a token path into a fresh grammar from ``compiler`` (a
-    copy of the compiled one: :attr:`~minirad.grammar.GrammarCompiler.num_cache_hits` grows by
-    one per state).
+    copy of the compiled one: :attr:`~minirad.engine.grammar.GrammarCompiler.num_cache_hits` grows
+    by one per state).
 
     Raises:
         InvalidArgumentError: ``max_states`` < 1.
@@ -130,7 +130,7 @@ def token_fsm_graph(
         canonical: complete texts whose tokenizer tokenization (``tokenizer.encode``) is drawn
             bold: the one path the tokenizer would take among all the mask allows.
     """
-    from minirad.dot import digraph, escape
+    from minirad.course.dot import digraph, escape
 
     bold = set()
     for text in canonical:

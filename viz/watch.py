@@ -2,11 +2,11 @@
 
 A vLLM server started with ``--kv-events-config`` publishes every block it caches or drops
 (:mod:`minirad.kv_events`). :func:`watch` subscribes to it and feeds each batch to a
-:class:`~minirad.block_events.BlockHashTree`, which turns blocks into minirad tree events, so
-the same :class:`~viz.frame_builder.FrameBuilder` and player that draw our radix tree draw vLLM's
-block cache: one node per 32-token block along its hash chain, new blocks green, removed ones
-red, and a fork wherever two chains part, at an image too (its placeholders get the image's
-pad id, from the hash vLLM publishes in ``extra_keys``).
+:class:`~minirad.kv_events.block_events.BlockHashTree`, which turns blocks into minirad tree
+events, so the same :class:`~viz.frame_builder.FrameBuilder` and player that draw our radix tree
+draw vLLM's block cache: one node per 32-token block along its hash chain, new blocks green,
+removed ones red, and a fork wherever two chains part, at an image too (its placeholders get the
+image's pad id, from the hash vLLM publishes in ``extra_keys``).
 
 The view keeps what it received (:attr:`BlockCacheView.batches`), so a session can be saved
 (:meth:`BlockCacheView.save_recording`) and replayed later without a server
@@ -34,7 +34,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from minirad.block_events import BlockHashTree
 from minirad.errors import InvalidArgumentError, KVEventError
 from minirad.events import plural
 from minirad.kv_events import (
@@ -45,8 +44,9 @@ from minirad.kv_events import (
     load_recording,
     save_recording,
 )
+from minirad.kv_events.block_events import BlockHashTree
+from minirad.kvcache.multimodal import pad_value
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.multimodal import pad_value
 
 from .frame_builder import image_names
 from .widget import RadixView, thumbnail
@@ -59,7 +59,7 @@ def _model_settings(model_dir: str | os.PathLike | None) -> dict[str, Any]:
     (read from its folder; nothing is loaded but the tokenizer)."""
     if model_dir is None:
         return {}
-    from minirad.tokenizer import load_tokenizer  # transformers: only when labels are wanted
+    from minirad.models.tokenizer import load_tokenizer  # transformers: only when labels are wanted
 
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -90,7 +90,7 @@ class BlockCacheView(RadixView):
         InvalidArgumentError: ``model_dir`` holds no readable ``config.json``.
 
     Attributes:
-        tree: the :class:`~minirad.block_events.BlockHashTree` the frames are drawn from.
+        tree: the :class:`~minirad.kv_events.block_events.BlockHashTree` the frames are drawn from.
         batches: every ``(seq, batch)`` applied, in order (what :meth:`save_recording` writes).
     """
 
@@ -127,7 +127,8 @@ class BlockCacheView(RadixView):
 
     def apply_events(self, events: list) -> None:
         """Draw ``events`` as the next batch (seq one past the last): a sink for
-        :class:`~minirad.block_events.RadixBlockEvents`, to follow our own engine in-process."""
+        :class:`~minirad.kv_events.block_events.RadixBlockEvents`, to follow our own engine
+        in-process."""
         seq = self.batches[-1][0] + 1 if self.batches else 0
         self.apply_batch(seq, KVEventBatch(ts=0.0, events=list(events)))
 

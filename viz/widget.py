@@ -279,10 +279,10 @@ def replay_scenario(scenario=None, *, per: str = "step", **kwargs: Any) -> Radix
     """A view of a scenario replayed through a real RadixCache (SGLang Figure 3 by default).
 
     Args:
-        scenario: a :class:`~minirad.scenario.Scenario`, a scenario file, or None.
+        scenario: a :class:`~minirad.course.scenario.Scenario`, a scenario file, or None.
         per: ``"step"`` (one frame per panel of the figure) or ``"event"``.
         kwargs: ``tokenizer``, ``eviction_policy``, as in
-            :class:`~minirad.scenario.ScenarioReplay`.
+            :class:`~minirad.course.scenario.ScenarioReplay`.
     """
     frames = scenario_frames(scenario, per=per, **kwargs)
     return RadixView(frames, title="SGLang Figure 3, replayed" if scenario is None else "")

@@ -10,12 +10,12 @@
   jump-forward, HF ``generate()`` with the same grammar and, with ``--peer vllm``, vLLM's
   structured outputs (tok/s, steps, forced tokens, mask cost per row, valid and exact
   answers) (:mod:`minirad.bench.structured`).
-- ``routing``: router policies (:mod:`minirad.routing`) over N replicas, each a radix cache
+- ``routing``: router policies (:mod:`minirad.cluster.routing`) over N replicas, each a radix cache
   with its own pool: hit rate, load imbalance, prefill saved, against N and traffic skew
   (:mod:`minirad.bench.routing`).
 - ``replicas``: real workers (``minirad serve``, vLLM) behind the real routers
   (sglang-router, vllm-router): hit rate, requests per worker, throughput, per policy and
-  client concurrency (:mod:`minirad.bench.replicas`, :mod:`minirad.replicas`).
+  client concurrency (:mod:`minirad.bench.replicas`, :mod:`minirad.cluster.replicas`).
 - ``load``: ``minirad serve`` (or any OpenAI-compatible server) under closed-loop load, half
   the requests with a fresh picture: req/s, p50 / p99 latency, and the text-only requests'
   p99 (:mod:`minirad.bench.load`).
@@ -32,7 +32,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from ..errors import MiniradError
+from minirad.errors import MiniradError
 
 __all__ = ["build_parser", "main"]
 

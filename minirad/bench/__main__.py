@@ -1,5 +1,5 @@
 """``python -m minirad.bench <benchmark> [options]``: see :mod:`minirad.bench`."""
 
-from . import main
+from minirad.bench import main
 
 raise SystemExit(main())

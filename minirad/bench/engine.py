@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -63,19 +62,24 @@ import transformers
 from PIL import Image
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..argtypes import positive_int
-from ..engine import PREFIX_STRATEGIES, GenerateRequest, LLMEngine, SamplingParams
-from ..errors import InvalidArgumentError, PeerError
-from ..models import DEFAULT_MODEL_DIR, load_model
-from ..scenes import CAPTION_PROMPT, DEFAULT_IMAGE_SIZE, SYSTEM_PROMPTS, ask, random_scene, render
+from minirad.bench.common import KVMemory, RunResult, Workload
+from minirad.course.scenes import (
+    CAPTION_PROMPT,
+    DEFAULT_IMAGE_SIZE,
+    SYSTEM_PROMPTS,
+    ask,
+    random_scene,
+    render,
+)
+from minirad.engine import PREFIX_STRATEGIES, GenerateRequest, LLMEngine, SamplingParams
+from minirad.entrypoints.argtypes import positive_int
+from minirad.errors import InvalidArgumentError, PeerError
+from minirad.models import DEFAULT_MODEL_DIR, load_model
 
 if TYPE_CHECKING:
-    from .peer import VLLMPeer
+    from minirad.bench.peer import VLLMPeer
 
 __all__ = [
-    "KVMemory",
-    "RunResult",
-    "Workload",
     "WorkloadResult",
     "add_arguments",
     "default_workloads",
@@ -99,15 +103,6 @@ QUESTIONS = (
     "What shape is the blue one?",
     "Is there a green triangle?",
 )
-
-
-@dataclass
-class Workload:
-    """Requests as ``(templated prompt, images)`` pairs, with a one-line description."""
-
-    name: str
-    description: str
-    requests: list[tuple[str, list[Image.Image]]]
 
 
 def _template(processor, question: str, system_prompt: str | None) -> str:
@@ -153,7 +148,7 @@ def unique_workload(processor, images: Sequence[Image.Image], questions: Sequenc
 def default_workloads(
     processor, num_images: int = 16, num_questions: int = 8, num_unique: int = 64, seed: int = 0
 ) -> list[Workload]:
-    """Both workloads over scenes of :mod:`minirad.scenes` (``num_questions`` at most 8)."""
+    """Both workloads over scenes of :mod:`minirad.course.scenes` (``num_questions`` at most 8)."""
     if not 1 <= num_questions <= len(QUESTIONS):
         raise InvalidArgumentError(f"num_questions must be in 1..{len(QUESTIONS)}")
     rng = random.Random(seed)
@@ -183,84 +178,6 @@ def default_workloads(
         ),
         unique_workload(processor, [render(s) for s in unique_scenes], questions),
     ]
-
-
-@dataclass(frozen=True)
-class KVMemory:
-    """A run's KV pool and how full it got (see the module docstring).
-
-    Attributes:
-        bytes_per_token: K plus V of one token over all layers, in bytes.
-        pool_tokens: usable capacity of the configured pool (vLLM: its blocks but the null
-            block, times the block size).
-        pool_bytes: bytes of the physical KV tensors (vLLM: the null block included).
-        block_size: tokens per block (minirad: per page).
-        peak_usage: most tokens running requests held after a step (vLLM's KV cache usage);
-            None: not measured.
-        peak_held: most tokens allocated at once, cached prefixes included; None: not
-            measured.
-    """
-
-    bytes_per_token: int
-    pool_tokens: int
-    pool_bytes: int
-    block_size: int
-    peak_usage: int | None
-    peak_held: int | None
-
-    @staticmethod
-    def percent(tokens: int | None, pool_tokens: int) -> str:
-        """``tokens`` as ``"N (P%)"`` of ``pool_tokens``, or ``"n/a"`` for None."""
-        return "n/a" if tokens is None else f"{tokens} ({100 * tokens / pool_tokens:.3g}%)"
-
-
-@dataclass
-class RunResult:
-    """One system's run of one workload.
-
-    Attributes:
-        outputs: each request's generated ids (through the first stop token).
-        seconds: wall time of the whole run.
-        ttft: per request, seconds to its first token (see the module docstring).
-        ttft_from_start: per request, seconds from the run's start to its first token.
-        prefill_tokens: prompt tokens the model computed (HF: padding included).
-        encoder_calls: vision-tower runs, one per image encoded (None: not measured).
-        cached_tokens: prompt tokens reused from the prefix cache (0 for HF).
-        prompt_token_ids: each request's prompt as the model saw it (no padding).
-        num_cached_tokens: per request, its prompt tokens reused from the prefix cache.
-        kv: the run's KV pool and peaks (None: not measured, e.g. HF).
-    """
-
-    name: str
-    outputs: list[list[int]]
-    seconds: float
-    ttft: list[float]
-    ttft_from_start: list[float]
-    prefill_tokens: int
-    encoder_calls: int | None
-    cached_tokens: int = 0
-    prompt_token_ids: list[list[int]] = field(default_factory=list)
-    num_cached_tokens: list[int] = field(default_factory=list)
-    kv: KVMemory | None = None
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(len(o) for o in self.outputs)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens of all requests (no padding)."""
-        return sum(len(p) for p in self.prompt_token_ids)
-
-    @property
-    def throughput(self) -> float:
-        """Output tokens per second."""
-        return self.output_tokens / self.seconds
-
-    @property
-    def total_throughput(self) -> float:
-        """Prompt and output tokens per second (vLLM's "total token throughput")."""
-        return (self.prompt_tokens + self.output_tokens) / self.seconds
 
 
 class _FirstTokenTimer(LogitsProcessor):
@@ -581,16 +498,6 @@ def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | N
     return "\n\n".join(blocks)
 
 
-def thread_settings() -> str:
-    """This process's torch threads, CPU affinity and OpenMP variables (HF and minirad)."""
-    omp = os.environ.get("OMP_NUM_THREADS", "unset")
-    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    return (
-        f"torch {torch.get_num_threads()} intra-op / {torch.get_num_interop_threads()} "
-        f"inter-op threads, cpus {cpus}, OMP_NUM_THREADS={omp}"
-    )
-
-
 PEERS = ("vllm",)
 
 
@@ -646,7 +553,7 @@ def run_cli(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         peer = None
         if args.peer == "vllm":
-            from .peer import VLLMPeer  # peer.py imports this module's types
+            from minirad.bench.peer import VLLMPeer  # peer.py imports this module's types
 
             peer = stack.enter_context(
                 VLLMPeer(
@@ -670,7 +577,7 @@ def run_cli(args: argparse.Namespace) -> int:
             num_kv_slots=args.num_kv_slots,
             page_size=args.page_size,
         )
-        from .peer import report_threads  # peer.py imports bench.engine's types
+        from minirad.bench.peer import report_threads  # peer.py imports bench.engine's types
 
         threads = report_threads(peer)
     print(format_report(results, threads))

@@ -29,8 +29,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..argtypes import positive_int
-from ..errors import InvalidArgumentError
+from minirad.entrypoints.argtypes import positive_int
+from minirad.errors import InvalidArgumentError
 
 __all__ = ["LoadRun", "add_arguments", "make_requests", "run_cli", "run_load"]
 
@@ -76,7 +76,7 @@ def _quantile(xs: Sequence[float], q: float) -> float:
 
 def make_requests(n: int, image_size: int, seed: int = 0) -> list[dict]:
     """``n`` chat request bodies: every other one with a fresh scene as a PNG data URL."""
-    from ..scenes import random_scene, render  # Pillow: only the command needs it
+    from minirad.course.scenes import random_scene, render  # Pillow: only the command needs it
 
     rng = random.Random(seed)
     bodies = []
@@ -169,7 +169,7 @@ def run_cli(args: argparse.Namespace) -> int:
         urls[label] = url.rstrip("/")
     worker = None
     if not urls:
-        from ..replicas import MiniradWorker
+        from minirad.cluster.replicas import MiniradWorker
 
         worker = MiniradWorker(page_size=1, num_kv_slots=16384).start()
         urls["minirad"] = worker.base_url

@@ -61,8 +61,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError
-from .trace import ChatTrace
+from minirad.bench.trace import ChatTrace
+from minirad.errors import InvalidArgumentError
 
 __all__ = ["OptimalResult", "belady"]
 

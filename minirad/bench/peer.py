@@ -1,6 +1,6 @@
 """The real vLLM as a peer of our engine: one long-lived worker process in the vLLM venv.
 
-vLLM cannot be imported in the course venv (``minirad/vllm_env.py``), so :class:`VLLMPeer`
+vLLM cannot be imported in the course venv (``minirad/peers/vllm_env.py``), so :class:`VLLMPeer`
 starts ``minirad/bench/vllm_worker.py`` with the vLLM venv's Python once, waits until its
 offline ``vllm.LLM`` is up (about 40 s on two cores), and then sends it workloads over a pipe
 (length-prefixed msgpack frames; the protocol is in the worker's docstring). Timings are taken
@@ -28,10 +28,11 @@ from pathlib import Path
 
 import msgspec
 
-from ..errors import InvalidArgumentError, PeerError
-from ..models import DEFAULT_MODEL_DIR
-from ..vllm_env import VLLM_BLOCK_SIZE, vllm_python
-from .engine import KVMemory, RunResult, Workload, thread_settings
+from minirad.bench.common import KVMemory, RunResult, Workload, thread_settings
+from minirad.errors import InvalidArgumentError, PeerError
+from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
+from minirad.models import DEFAULT_MODEL_DIR
+from minirad.peers.vllm_env import vllm_python
 
 __all__ = ["WORKER", "VLLMPeer", "describe_threads", "kv_memory"]
 
@@ -55,7 +56,7 @@ class VLLMPeer:
             None: vLLM's default (``"auto"``).
         start_timeout: seconds to wait for the engine to come up.
         timeout: seconds to wait for any other answer.
-        python: the vLLM venv's Python (default :func:`~minirad.vllm_env.vllm_python`).
+        python: the vLLM venv's Python (default :func:`~minirad.peers.vllm_env.vllm_python`).
 
     Attributes:
         info: what the worker reported when it came up (see :func:`describe_threads`).

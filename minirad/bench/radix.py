@@ -42,7 +42,7 @@ How far from the optimum (``% of MIN``). At 10% of the unique tokens (``--capaci
 LRU gets about 82% of MIN on this trace. MIN knows two things LRU does not: which
 conversations are over, and when each open one comes back. The first a server can know (the
 client closes its session; SGLang has ``close_session``): ``lru-closed``
-(:class:`~minirad.eviction.ClosedSessionLRUPolicy`) evicts closed sessions first and gets
+(:class:`~minirad.kvcache.eviction.ClosedSessionLRUPolicy`) evicts closed sessions first and gets
 about 93%. The rest is the return time, which no online policy has here: think times are
 exponential, so how long a conversation has been idle says nothing about when it returns.
 A scheduling order such as SGLang's longest-prefix-first needs a waiting queue to reorder:
@@ -84,13 +84,13 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from ..argtypes import positive_int
-from ..errors import InvalidArgumentError
-from ..eviction import POLICIES, ClosedSessionLRUPolicy
-from ..kv_pool import TokenToKVPoolAllocator
-from ..radix_cache import RadixCache, Req
-from .optimal import OptimalResult, belady
-from .trace import ChatTrace, TraceEvent, make_chat_trace
+from minirad.bench.optimal import OptimalResult, belady
+from minirad.bench.trace import ChatTrace, TraceEvent, make_chat_trace
+from minirad.entrypoints.argtypes import positive_int
+from minirad.errors import InvalidArgumentError
+from minirad.kvcache.eviction import POLICIES, ClosedSessionLRUPolicy
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.radix_cache import RadixCache, Req
 
 __all__ = [
     "BENCH_POLICIES",

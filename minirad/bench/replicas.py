@@ -1,7 +1,7 @@
 """Replicas behind the real routers, measured (``python -m minirad.bench replicas``).
 
 N workers (``minirad serve``, the real vLLM, or a mix), each pinned to a core, behind the real
-``sglang-router`` or ``vllm-router`` (:mod:`minirad.replicas`); closed-loop clients send one
+``sglang-router`` or ``vllm-router`` (:mod:`minirad.cluster.replicas`); closed-loop clients send one
 workload through the router at each concurrency, and each worker's own ``/metrics`` say what
 its cache did. Per route (router and policy) and concurrency it prints:
 
@@ -31,207 +31,43 @@ gets the same prompts as token ids (its kv_aware policy takes nothing else).
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from ..argtypes import positive_int
-from ..errors import InvalidArgumentError, PeerError
-from ..replicas import (
+from minirad.bench.common import (
+    WORKER_KINDS,
+    RouteRun,
+    fastest_runs,
+    make_prompts,
+    prompts_trace,
+    save_runs,
+)
+from minirad.bench.routing import KV_CREDIT, simulate
+from minirad.cluster.replicas import (
     POLICIES,
     MiniradWorker,
     Router,
-    WorkerCounters,
     router_executable,
     worker_counters,
 )
-from ..routing import POLICIES as SIMULATED
-from ..server_process import ServerProcess, usable_cpus
-from .routing import KV_CREDIT, simulate
-from .trace import ChatTrace, TraceRequest
+from minirad.cluster.routing import POLICIES as SIMULATED
+from minirad.entrypoints.argtypes import positive_int
+from minirad.errors import PeerError
+from minirad.peers.server_process import ServerProcess, usable_cpus
 
 __all__ = [
-    "RouteRun",
     "add_arguments",
-    "fastest_runs",
     "format_table",
-    "load_runs",
-    "make_prompts",
-    "prompts_trace",
     "run_cli",
     "run_route",
-    "save_runs",
 ]
 
-WORKER_KINDS = ("minirad", "vllm")
 DEFAULT_ROUTES = ("sglang:round_robin", "sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware")
 ROUTES = tuple(f"{router}:{policy}" for router, policies in POLICIES.items() for policy in policies)
-
-
-def make_prompts(
-    tokenizer,
-    num_requests: int = 40,
-    num_system_prompts: int = 4,
-    system_tokens: int = 224,
-    user_tokens: int = 24,
-    seed: int = 0,
-) -> list[str]:
-    """``num_requests`` text prompts: a shared system prompt of about ``system_tokens``
-    tokens (words of the course's scenes, so the tokenizer knows them), then a user tail of
-    about ``user_tokens``. Deterministic for a seed.
-
-    Raises:
-        InvalidArgumentError: a count is not positive.
-    """
-    from ..scenes import caption, random_scene  # Pillow; only this workload needs it
-
-    for name, v in dict(
-        num_requests=num_requests,
-        num_system_prompts=num_system_prompts,
-        system_tokens=system_tokens,
-        user_tokens=user_tokens,
-    ).items():
-        if not isinstance(v, int) or v <= 0:
-            raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
-    rng = random.Random(seed)
-
-    def text(n_tokens: int) -> str:
-        words: list[str] = []
-        while len(tokenizer(" ".join(words))["input_ids"]) < n_tokens:
-            words += f"{caption(random_scene(rng))}.".split()
-        while len(tokenizer(" ".join(words[:-1]))["input_ids"]) >= n_tokens:
-            words.pop()
-        return " ".join(words)
-
-    systems = [f"Notes {k}: {text(system_tokens)}" for k in range(num_system_prompts)]
-    return [f"{rng.choice(systems)}\nQ: {text(user_tokens)}\nA:" for _ in range(num_requests)]
-
-
-def prompts_trace(tokenizer, texts: Sequence[str], max_tokens: int = 4) -> ChatTrace:
-    """The simulator's trace of ``texts`` (:func:`minirad.bench.routing.simulate`): their
-    token ids, ``max_tokens`` new tokens each, as :func:`run_route` sends them."""
-    requests = [
-        TraceRequest(f"r{i}", i, 0, tokenizer(t)["input_ids"], [0] * max_tokens)
-        for i, t in enumerate(texts)
-    ]
-    return ChatTrace(requests, [], [])
-
-
-@dataclass(frozen=True)
-class RouteRun:
-    """One workload through one router policy at one client concurrency.
-
-    Attributes:
-        router, policy, concurrency: what ran.
-        counters: each worker's counters over the run, in worker order.
-        seconds: wall time from the first request sent to the last answer.
-        simulated: the hit rate :func:`minirad.bench.routing.simulate` predicts for the same
-            token ids, policy, worker count and concurrency (None: not simulated).
-    """
-
-    router: str
-    policy: str
-    concurrency: int
-    counters: list[WorkerCounters]
-    seconds: float
-    simulated: float | None = None
-
-    @property
-    def hit_rate(self) -> float:
-        queries = sum(c.queries for c in self.counters)
-        return sum(c.hits for c in self.counters) / queries if queries else 0.0
-
-    @property
-    def requests(self) -> list[int]:
-        return [round(c.requests) for c in self.counters]
-
-    @property
-    def imbalance(self) -> float:
-        """max / mean of the requests per worker."""
-        counts = self.requests
-        return max(counts) * len(counts) / sum(counts) if sum(counts) else 0.0
-
-    @property
-    def throughput(self) -> float:
-        """Requests per second."""
-        return sum(self.requests) / self.seconds
-
-
-def fastest_runs(runs: Sequence[RouteRun]) -> list[RouteRun]:
-    """The fastest run (req/s) of each router, policy and concurrency, in first-run order:
-    the best of N rounds on a noisy machine."""
-    best: dict[tuple[str, str, int], RouteRun] = {}
-    for r in runs:
-        key = (r.router, r.policy, r.concurrency)
-        if key not in best or r.throughput > best[key].throughput:
-            best[key] = r
-    return list(best.values())
-
-
-def save_runs(path: str | Path, kinds: Sequence[str], runs: Sequence[RouteRun]) -> Path:
-    """Write ``runs`` of workers ``kinds`` as JSON (what :func:`load_runs` reads): what was
-    measured, not the simulator's prediction, which a reader recomputes. Returns the path."""
-    rows = [asdict(replace(r, simulated=None)) | {"workers": list(kinds)} for r in runs]
-    path = Path(path)
-    path.write_text(json.dumps(rows, indent=1) + "\n")
-    return path
-
-
-def load_runs(path: str | Path) -> list[tuple[list[str], RouteRun]]:
-    """The runs a ``--save`` wrote: ``(worker kinds, run)`` pairs, in the order they ran.
-
-    Raises:
-        InvalidArgumentError: the file is not a saved run list (the message says which run
-            and why).
-    """
-    try:
-        rows = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise InvalidArgumentError(f"{path} is not a run list of --save: {e}") from e
-    if not isinstance(rows, list):
-        raise InvalidArgumentError(f"{path} is not a run list of --save: not a JSON list")
-    return [_run_from_json(row, f"{path}, run {i}") for i, row in enumerate(rows)]
-
-
-def _run_from_json(row: object, where: str) -> tuple[list[str], RouteRun]:
-    def number(v: object) -> bool:
-        return isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
-
-    try:
-        kinds, counters = row["workers"], [WorkerCounters(**c) for c in row["counters"]]
-        run = RouteRun(
-            row["router"],
-            row["policy"],
-            row["concurrency"],
-            counters,
-            row["seconds"],
-            row.get("simulated"),
-        )
-        problem = None
-        if row["router"] not in POLICIES or row["policy"] not in POLICIES[row["router"]]:
-            problem = f"no route {row['router']!r}:{row['policy']!r}"
-        elif not (isinstance(kinds, list) and all(k in WORKER_KINDS for k in kinds)):
-            problem = f"workers must be a list of {WORKER_KINDS}, got {kinds!r}"
-        elif len(kinds) != len(counters):
-            problem = f"{len(kinds)} workers but {len(counters)} counter sets"
-        elif not (isinstance(run.concurrency, int) and run.concurrency > 0):
-            problem = f"concurrency must be a positive int, got {run.concurrency!r}"
-        elif not (number(run.seconds) and run.seconds > 0):
-            problem = f"seconds must be > 0, got {run.seconds!r}"
-        elif not all(number(getattr(c, f)) for c in counters for f in c.__dataclass_fields__):
-            problem = "every counter must be a number >= 0"
-        elif any(c.hits > c.queries for c in counters):
-            problem = "a worker has more prefix-cache hits than queries"
-    except (KeyError, TypeError, AttributeError) as e:
-        problem = f"missing or malformed field: {e!r}"
-    if problem is not None:
-        raise InvalidArgumentError(f"{where} is not a saved run: {problem}")
-    return kinds, run
 
 
 def _reset(worker: ServerProcess, timeout_s: float = 30.0) -> None:
@@ -327,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _start_workers(kinds: Sequence[str], pin: bool, kv_events: bool) -> list[ServerProcess]:
-    from ..vllm_server import VLLMServer
+    from minirad.peers.vllm_server import VLLMServer
 
     cores = usable_cpus()
     workers: list[ServerProcess] = []
@@ -366,7 +202,7 @@ def format_table(runs: Sequence[RouteRun], kinds: Sequence[str]) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``python -m minirad.bench replicas``: print the table, return the exit code."""
-    from ..tokenizer import load_tokenizer
+    from minirad.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     texts = make_prompts(tokenizer, args.requests, args.system_prompts, seed=args.seed)

@@ -1,5 +1,5 @@
 """Routing benchmark: ``N`` replicas, each a real :class:`RadixCache` with its own pool,
-behind a router policy (:mod:`minirad.routing`), on the chat trace of :mod:`.trace`.
+behind a router policy (:mod:`minirad.cluster.routing`), on the chat trace of :mod:`.trace`.
 
 Each replica drives its cache as :mod:`.radix` does (``_Lifecycle``: match and lock at
 start, evict when the pool is short, insert at finish). Clients: ``concurrency`` requests in
@@ -43,9 +43,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..argtypes import non_negative_float, positive_int
-from ..errors import InvalidArgumentError
-from ..routing import (
+from minirad.bench.common import load_runs
+from minirad.bench.radix import _Lifecycle
+from minirad.bench.trace import ChatTrace, make_chat_trace
+from minirad.cluster.routing import (
     POLICIES,
     CacheAwarePolicy,
     KVAwarePolicy,
@@ -54,9 +55,9 @@ from ..routing import (
     RoundRobinPolicy,
     RoutingPolicy,
 )
-from ..vllm_env import REPO_ROOT
-from .radix import _Lifecycle
-from .trace import ChatTrace, make_chat_trace
+from minirad.entrypoints.argtypes import non_negative_float, positive_int
+from minirad.errors import InvalidArgumentError
+from minirad.peers.vllm_env import REPO_ROOT
 
 __all__ = [
     "KV_CREDIT",
@@ -85,7 +86,6 @@ def measured_hit_rates() -> dict[tuple[str, str, int], float]:
     Raises:
         InvalidArgumentError: a file is missing or not a saved run list.
     """
-    from .replicas import load_runs  # replicas imports this module
 
     rates: dict[tuple[str, str, int], list[float]] = {}
     for kind, path in MEASURED_RUNS.items():
@@ -196,7 +196,7 @@ def simulate(
 
     Args:
         trace: the requests, dispatched in arrival order (its timeline is not used).
-        policy: one of :data:`minirad.routing.POLICIES`.
+        policy: one of :data:`minirad.cluster.routing.POLICIES`.
         replicas: number of replicas, each with a pool of ``capacity`` tokens.
         capacity: KV pool per replica, in tokens (a multiple of ``page_size``).
         page_size: tokens per page (vLLM's block size).
@@ -412,8 +412,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _calibration_table() -> str:
     """The simulator on the prompts measured behind the real routers (the same token ids, two
     replicas, clients a step apart), beside the measured hit rates."""
-    from ..tokenizer import load_tokenizer
-    from .replicas import make_prompts, prompts_trace
+    from minirad.bench.common import make_prompts, prompts_trace
+    from minirad.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     trace = prompts_trace(tokenizer, make_prompts(tokenizer))

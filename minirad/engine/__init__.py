@@ -2,7 +2,7 @@
 
 - :class:`LLMEngine` (``engine.py``): ``add_request`` / ``step`` / ``generate`` / ``stream``.
 - :class:`GenerateRequest`, :class:`Request`, :class:`RequestOutput` (``request.py``): a
-  request's input, state and output; :class:`SamplingParams` (``minirad/sampling_params.py``,
+  request's input, state and output; :class:`SamplingParams` (``minirad/engine/sampling_params.py``,
   torch-free: the CLI checks its flags with it before loading the engine).
 - :class:`InputProcessor` (``processing.py``): prompt + images -> ids, radix key, images.
 - :class:`Scheduler` (``scheduler.py``): continuous batching, chunked prefill, preemption,
@@ -12,55 +12,41 @@
 - :func:`sample` (``sampling.py``): greedy, temperature, top-k, top-p, seeded per request.
 """
 
-from ..sampling_params import SamplingParams
-from .encoder_cache import EncoderCache
-from .engine import EngineConfig, EngineStats, LLMEngine
-from .model_runner import ModelRunner
-from .processing import ImageItem, ImageSegment, InputProcessor, ProcessedPrompt, load_image
-from .request import (
-    EngineCoreRequest,
-    GenerateRequest,
-    Request,
-    RequestOutput,
-    RequestStats,
-    RequestStatus,
-)
-from .sampling import apply_top_k, apply_top_p, sample, sample_one
-from .scheduler import (
-    POLICIES,
-    PREFIX_STRATEGIES,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from __future__ import annotations
 
-__all__ = [
-    "POLICIES",
-    "PREFIX_STRATEGIES",
-    "EncoderCache",
-    "EngineCoreRequest",
-    "EngineConfig",
-    "EngineStats",
-    "GenerateRequest",
-    "ImageItem",
-    "ImageSegment",
-    "InputProcessor",
-    "LLMEngine",
-    "ModelRunner",
-    "ProcessedPrompt",
-    "Request",
-    "RequestOutput",
-    "RequestStats",
-    "RequestStatus",
-    "SamplingParams",
-    "ScheduledRequest",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerOutput",
-    "apply_top_k",
-    "apply_top_p",
-    "load_image",
-    "sample",
-    "sample_one",
-]
+from minirad.lazy import lazy_exports
+
+# Public name -> the module of this package that defines it, imported on first use (so
+# ``minirad.engine.sampling_params`` and the other light modules never pull in torch).
+_EXPORTS: dict[str, str] = {
+    "EncoderCache": "encoder_cache",
+    "EngineConfig": "engine",
+    "EngineStats": "engine",
+    "LLMEngine": "engine",
+    "ModelRunner": "model_runner",
+    "ImageItem": "processing",
+    "ImageSegment": "processing",
+    "InputProcessor": "processing",
+    "ProcessedPrompt": "processing",
+    "load_image": "processing",
+    "EngineCoreRequest": "request",
+    "GenerateRequest": "request",
+    "Request": "request",
+    "RequestOutput": "request",
+    "RequestStats": "request",
+    "RequestStatus": "request",
+    "apply_top_k": "sampling",
+    "apply_top_p": "sampling",
+    "sample": "sampling",
+    "sample_one": "sampling",
+    "SamplingParams": "sampling_params",
+    "POLICIES": "scheduler",
+    "PREFIX_STRATEGIES": "scheduler",
+    "ScheduledRequest": "scheduler",
+    "Scheduler": "scheduler",
+    "SchedulerConfig": "scheduler",
+    "SchedulerOutput": "scheduler",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..errors import InvalidArgumentError
+from minirad.errors import InvalidArgumentError
 
 __all__ = ["EncoderCache"]
 

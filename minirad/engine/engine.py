@@ -13,9 +13,9 @@ The parts, each in its own module (nano-vllm's ``LLMEngine`` layout, vLLM's name
              _detokenize()                   the text; finish at a stop string
     -> RequestOutput (token ids, text, finish reason, stats)
 
-Memory: one :class:`~minirad.kv_pool.KVCache` of ``num_kv_slots`` token slots in pages of
-``page_size``; a :class:`~minirad.kv_pool.TokenToKVPoolAllocator` hands them out; the
-:class:`~minirad.radix_cache.RadixCache` keeps finished prefixes and evicts them when the
+Memory: one :class:`~minirad.kvcache.kv_pool.KVCache` of ``num_kv_slots`` token slots in pages of
+``page_size``; a :class:`~minirad.kvcache.kv_pool.TokenToKVPoolAllocator` hands them out; the
+:class:`~minirad.kvcache.radix_cache.RadixCache` keeps finished prefixes and evicts them when the
 allocator is short. All three share the engine's :class:`~minirad.events.EventBus`
 (``engine.bus``), so a subscriber sees every match, insert, lock, eviction, alloc and free.
 
@@ -34,20 +34,26 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..errors import GrammarError, InvalidArgumentError, InvariantError, RequestError
-from ..events import EventBus, JumpForwardEvent, StepEvent
-from ..grammar import GrammarCompiler, allocate_token_bitmask, apply_token_bitmask
-from ..kv_pool import KVCache, TokenToKVPoolAllocator
-from ..models import PagedVLM, kv_cache_dims, load_model
-from ..radix_cache import RadixCache
-from ..sampling_params import SamplingParams
-from ..vllm_env import VLLM_BLOCK_SIZE
-from .encoder_cache import EncoderCache
-from .model_runner import PREFETCH_LOOKAHEAD, ModelRunner
-from .processing import InputProcessor
-from .request import EngineCoreRequest, GenerateRequest, Request, RequestOutput, RequestStatus
-from .sampling import sample
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from minirad.engine.encoder_cache import EncoderCache
+from minirad.engine.grammar import GrammarCompiler, allocate_token_bitmask, apply_token_bitmask
+from minirad.engine.model_runner import PREFETCH_LOOKAHEAD, ModelRunner
+from minirad.engine.processing import InputProcessor
+from minirad.engine.request import (
+    EngineCoreRequest,
+    GenerateRequest,
+    Request,
+    RequestOutput,
+    RequestStatus,
+)
+from minirad.engine.sampling import sample
+from minirad.engine.sampling_params import SamplingParams
+from minirad.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from minirad.errors import GrammarError, InvalidArgumentError, InvariantError, RequestError
+from minirad.events import EventBus, JumpForwardEvent, StepEvent
+from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
+from minirad.kvcache.kv_pool import KVCache, TokenToKVPoolAllocator
+from minirad.kvcache.radix_cache import RadixCache
+from minirad.models import PagedVLM, kv_cache_dims, load_model
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine"]
 
@@ -69,8 +75,8 @@ class EngineConfig:
         encoder_cache_size: image-feature rows the encoder cache keeps.
         seed: seeds the engine's generator, which seeds sampling requests without a seed.
         kv_events_endpoint: publish the radix tree's full blocks as vLLM KV events
-            (:class:`~minirad.block_events.RadixBlockEvents`, one batch per step) on this ZMQ
-            endpoint, e.g. ``"tcp://*:5557"`` (vLLM's ``KVEventsConfig.endpoint``); None:
+            (:class:`~minirad.kv_events.block_events.RadixBlockEvents`, one batch per step) on this
+            ZMQ endpoint, e.g. ``"tcp://*:5557"`` (vLLM's ``KVEventsConfig.endpoint``); None:
             nothing is published and nothing listens to the bus for it.
         kv_events_replay_endpoint: vLLM's replay socket (``"tcp://*:5558"``), or None.
         kv_events_block_size: tokens per published block (vLLM's CPU backend: 32).
@@ -204,8 +210,8 @@ class LLMEngine:
         # vLLM-format KV events, opt-in (see EngineConfig); pyzmq is imported only then.
         self.kv_events = self.kv_event_publisher = None
         if cfg.kv_events_endpoint is not None:
-            from ..block_events import RadixBlockEvents
-            from ..kv_events import KVEventPublisher
+            from minirad.kv_events import KVEventPublisher
+            from minirad.kv_events.block_events import RadixBlockEvents
 
             self.kv_events = RadixBlockEvents(
                 self.bus,
@@ -308,7 +314,7 @@ class LLMEngine:
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        """The engine's :class:`~minirad.grammar.GrammarCompiler` (its cache of compiled
+        """The engine's :class:`~minirad.engine.grammar.GrammarCompiler` (its cache of compiled
         grammars), built on first use.
 
         Raises:

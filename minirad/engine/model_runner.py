@@ -31,11 +31,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..errors import ImageError
-from ..models import ForwardBatch, PagedVLM
-from .encoder_cache import EncoderCache
-from .processing import ImageItem
-from .scheduler import SchedulerOutput
+from minirad.engine.encoder_cache import EncoderCache
+from minirad.engine.processing import ImageItem
+from minirad.engine.scheduler import SchedulerOutput
+from minirad.errors import ImageError
+from minirad.models import ForwardBatch, PagedVLM
 
 __all__ = ["PREFETCH_IMAGES", "PREFETCH_LOOKAHEAD", "ModelRunner"]
 

@@ -3,7 +3,7 @@
 What SGLang's tokenizer manager and vLLM's input processor do before a request reaches the
 scheduler:
 
-1. Each image is loaded, hashed (:func:`minirad.multimodal.hash_image`: pixels + the image
+1. Each image is loaded, hashed (:func:`minirad.kvcache.multimodal.hash_image`: pixels + the image
    processor's parameters) and preprocessed on its own by the model's Hugging Face processor,
    which also says what one image placeholder (``"<image>"``) becomes in the prompt: as many
    placeholder tokens as the image has features (LLaVA), with tile markers around them
@@ -15,7 +15,7 @@ scheduler:
    cuts text at special tokens such as ``<image>``, so the pieces tokenize alone), without
    preprocessing every image a second time for the text.
 3. Placeholders are assigned to images in order, and the radix key gets each image's pad id
-   (>= vocab size, :func:`minirad.multimodal.pad_value`) at its placeholders, as SGLang's
+   (>= vocab size, :func:`minirad.kvcache.multimodal.pad_value`) at its placeholders, as SGLang's
    ``pad_input_ids`` does. One image may own several placeholder runs (Idefics3 splits a large
    image into tiles, each a run), so assignment is per position, not per run.
 """
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from ..errors import ImageError, RequestError
-from ..media import check_image_size, open_image
-from ..multimodal import hash_image, pad_value
+from minirad.engine.media import check_image_size, open_image
+from minirad.errors import ImageError, RequestError
+from minirad.kvcache.multimodal import hash_image, pad_value
 
 __all__ = ["ImageItem", "ImageSegment", "InputProcessor", "ProcessedPrompt", "load_image"]
 
@@ -43,7 +43,7 @@ class ImageItem:
     """One image of a prompt.
 
     Attributes:
-        mm_hash: :func:`~minirad.multimodal.hash_image` of the pixels and preprocessing.
+        mm_hash: :func:`~minirad.kvcache.multimodal.hash_image` of the pixels and preprocessing.
         pad_value: the id its placeholders get in the radix key.
         num_tokens: its placeholder tokens (= rows of its features).
         pixel_inputs: the processor's tensors for this image alone (``pixel_values``, ...).
@@ -81,12 +81,12 @@ class ProcessedPrompt:
 
 
 def load_image(image: Image.Image | str | os.PathLike) -> Image.Image:
-    """A decoded PIL image from an image or a file path (:func:`minirad.media.open_image`:
+    """A decoded PIL image from an image or a file path (:func:`minirad.engine.media.open_image`:
     PNG, JPEG, WebP, GIF or BMP, of a sane size).
 
     Raises:
         ImageError: not an image or a path; a missing, unreadable or truncated file, or one
-            :func:`~minirad.media.open_image` refuses.
+            :func:`~minirad.engine.media.open_image` refuses.
     """
     if isinstance(image, Image.Image):
         check_image_size(*image.size, "given")

@@ -3,12 +3,12 @@
 Four objects, as in vLLM v1 (``vllm/v1/request.py``, ``vllm/outputs.py``) and SGLang
 (``GenerateReqInput``, ``Req`` in ``managers/schedule_batch.py``):
 
-- :class:`GenerateRequest` + :class:`~minirad.sampling_params.SamplingParams`: the user's
+- :class:`GenerateRequest` + :class:`~minirad.engine.sampling_params.SamplingParams`: the user's
   input (prompt, images, how to sample, when to stop).
 - :class:`EngineCoreRequest`: the input processed (tokens, preprocessed images, compiled
   grammar), ready to queue.
 - :class:`Request`: the engine's state of one request while it lives, one object as
-  nano-vllm's ``Sequence``: a radix-cache :class:`~minirad.radix_cache.Req` (token ids, KV
+  nano-vllm's ``Sequence``: a radix-cache :class:`~minirad.kvcache.radix_cache.Req` (token ids, KV
   slots, locked prefix) extended with what the model and the scheduler need (the model's
   ids, images, sampling, how many tokens have KV, its :class:`RequestStatus`).
 - :class:`RequestOutput`: what the engine returns after each step that produced a token.
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from ..errors import GrammarError, RequestError
-from ..radix_cache import Req
-from ..sampling_params import SamplingParams
-from .processing import ImageItem, ImageSegment, ProcessedPrompt
+from minirad.engine.processing import ImageItem, ImageSegment, ProcessedPrompt
+from minirad.engine.sampling_params import SamplingParams
+from minirad.errors import GrammarError, RequestError
+from minirad.kvcache.radix_cache import Req
 
 if TYPE_CHECKING:
-    from ..grammar import Grammar
+    from minirad.engine.grammar import Grammar
 
 __all__ = [
     "EngineCoreRequest",
@@ -160,13 +160,13 @@ class RequestStats:
 
 class Request(Req):
     """The engine's state of one request (vLLM v1 ``Request``, SGLang ``Req``, nano-vllm's
-    ``Sequence``): a :class:`~minirad.radix_cache.Req`, so the radix cache's ``*_for_req``
+    ``Sequence``): a :class:`~minirad.kvcache.radix_cache.Req`, so the radix cache's ``*_for_req``
     lifecycle takes it directly.
 
     Token ids exist in two forms. ``prompt_token_ids`` are what the model embeds: each image
     placeholder is ``image_token_id``. ``origin_input_ids`` is the radix-cache key: each
     placeholder of an image is replaced by that image's pad id (>= vocab size,
-    :func:`minirad.multimodal.pad_value`), so different images fork the tree at their first
+    :func:`minirad.kvcache.multimodal.pad_value`), so different images fork the tree at their first
     placeholder. Generated ids are shared by both (``output_ids``).
 
     ``kv_indices`` holds one KV slot per token that has (or, once this step's forward runs,
@@ -185,7 +185,7 @@ class Request(Req):
             (:mod:`minirad.engine.processing`).
         generator: the request's sampling RNG (None for greedy).
         return_logits: keep each generated token's logits in ``logits``.
-        grammar: its structured-output state (:class:`~minirad.grammar.Grammar`), or None.
+        grammar: its structured-output state (:class:`~minirad.engine.grammar.Grammar`), or None.
     """
 
     def __init__(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sampling_params import SamplingParams
+from minirad.engine.sampling_params import SamplingParams
 
 __all__ = ["apply_top_k", "apply_top_p", "sample", "sample_one"]
 

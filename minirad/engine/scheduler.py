@@ -34,9 +34,9 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from ..errors import InvalidArgumentError, InvariantError, RequestError
-from ..radix_cache import RadixCache
-from .request import Request, RequestStatus
+from minirad.engine.request import Request, RequestStatus
+from minirad.errors import InvalidArgumentError, InvariantError, RequestError
+from minirad.kvcache.radix_cache import RadixCache
 
 __all__ = [
     "POLICIES",
@@ -148,7 +148,7 @@ class Scheduler:
     """Waiting and running queues over a radix cache and its slot allocator.
 
     Args:
-        tree_cache: the :class:`~minirad.radix_cache.RadixCache`; it must have a
+        tree_cache: the :class:`~minirad.kvcache.radix_cache.RadixCache`; it must have a
             ``token_to_kv_pool_allocator`` (the slots of the KV pool).
         config: see :class:`SchedulerConfig`.
 

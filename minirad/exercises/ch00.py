@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..radix_cache import RadixCache, Req
-from ..tokenizer import load_tokenizer
-from . import Exercise, is_int, is_int_list, wrong_type
+from minirad.exercises import Exercise, is_int, is_int_list, wrong_type
+from minirad.kvcache.radix_cache import RadixCache, Req
+from minirad.models.tokenizer import load_tokenizer
 
 __all__ = ["Q1_SOLUTION", "Q2_SOLUTION", "q1", "q2"]
 

@@ -15,8 +15,8 @@ Usage in the notebook::
 
 from __future__ import annotations
 
-from ..radix_cache import RadixCache, TreeNode
-from . import Exercise, is_int, is_int_list, wrong_type
+from minirad.exercises import Exercise, is_int, is_int_list, wrong_type
+from minirad.kvcache.radix_cache import RadixCache, TreeNode
 
 __all__ = [
     "Q1_INSERTS",

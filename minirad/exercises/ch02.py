@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache_manager import KVCacheManager
-from ..kv_pool import KVCache, TokenToKVPoolAllocator, slot_mapping
-from . import Exercise, is_int, is_int_list, wrong_type
+from minirad.exercises import Exercise, is_int, is_int_list, wrong_type
+from minirad.kvcache.kv_cache_manager import KVCacheManager
+from minirad.kvcache.kv_pool import KVCache, TokenToKVPoolAllocator, slot_mapping
 
 __all__ = [
     "Q1_CONFIG",

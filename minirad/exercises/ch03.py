@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import functools
 
-from ..events import EventRecorder, EvictEvent
-from ..radix_cache import RadixCache
-from . import Exercise, WrongAnswer, is_int, is_int_list, wrong_type
+from minirad.events import EventRecorder, EvictEvent
+from minirad.exercises import Exercise, WrongAnswer, is_int, is_int_list, wrong_type
+from minirad.kvcache.radix_cache import RadixCache
 
 __all__ = [
     "Q1_INSERTS",
@@ -231,7 +231,9 @@ def _check_q4(answer: object) -> str | None:
     wrong = [p for p in POLICY_NAMES if _key(answer[p]) != expected[p]]
     if not wrong:
         return None
-    return f"wrong for {', '.join(wrong)}: recall each policy's sort key (minirad/eviction.py)"
+    return (
+        f"wrong for {', '.join(wrong)}: recall each policy's sort key (minirad/kvcache/eviction.py)"
+    )
 
 
 Q4_SOLUTION = """\
@@ -253,7 +255,7 @@ q4 = Exercise(
 @functools.cache
 def q5_expected() -> list[str]:
     """Labels that step 9 of Figure 3 evicts under FIFO but not under LRU."""
-    from ..scenario import ScenarioReplay
+    from minirad.course.scenario import ScenarioReplay
 
     lru, fifo = (ScenarioReplay(eviction_policy=p).run()[8] for p in ("lru", "fifo"))
     lru_evicted = set(lru.names(lru.evicted))
@@ -270,7 +272,7 @@ def _check_q5(answer: object) -> str | None:
 
 
 Q5_SOLUTION = """\
-from minirad.scenario import ScenarioReplay
+from minirad.course.scenario import ScenarioReplay
 
 # Step 9's match splits g; its old answer " This is 17." becomes leaf k, which keeps g's
 # creation time (step 6: a split keeps it, and g was cut from f) but gets the current access

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache_manager import KVCacheManager
-from ..kv_pool import slot_mapping
-from ..models import ForwardBatch
-from ..paged_attention import AttentionMetadata, paged_attention
-from . import Exercise, WrongAnswer, is_int, is_int_list, wrong_type
+from minirad.exercises import Exercise, WrongAnswer, is_int, is_int_list, wrong_type
+from minirad.kvcache.kv_cache_manager import KVCacheManager
+from minirad.kvcache.kv_pool import slot_mapping
+from minirad.models import ForwardBatch
+from minirad.models.paged_attention import AttentionMetadata, paged_attention
 
 __all__ = [
     "Q1_BLOCK_SIZE",

@@ -22,10 +22,10 @@ import io
 import torch
 from PIL import Image, ImageOps
 
-from ..engine import GenerateRequest, LLMEngine, SamplingParams
-from ..models import DEFAULT_MODEL_DIR, load_model
-from ..multimodal import hash_image, pad_value
-from . import Exercise, WrongAnswer, is_int, wrong_type
+from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
+from minirad.exercises import Exercise, WrongAnswer, is_int, wrong_type
+from minirad.kvcache.multimodal import hash_image, pad_value
+from minirad.models import DEFAULT_MODEL_DIR, load_model
 
 __all__ = [
     "IMAGE_DIR",
@@ -137,20 +137,23 @@ def _check_q1(answer: object) -> str | None:
             "that id keeps 30 bits of the hash, as SGLang's pad ids do; pad_value's docstring "
             "says why minirad keeps more"
         )
-    return f"{answer} is not it: read pad_value in minirad/multimodal.py (pad_value?? shows it)"
+    return (
+        f"{answer} is not it: read pad_value in minirad/kvcache/multimodal.py "
+        "(pad_value?? shows it)"
+    )
 
 
 Q1_SOLUTION = """\
 from minirad.exercises.ch05 import Q1_HASH, Q1_VOCAB_SIZE
-from minirad.multimodal import pad_value
+from minirad.kvcache.multimodal import pad_value
 
 answer = pad_value(Q1_HASH, Q1_VOCAB_SIZE)  # its docstring gives the formula and the why"""
 
 q1 = Exercise(
     "q1 the pad id of an image",
     _check_q1,
-    "Read minirad.multimodal.pad_value and its docstring (pad_value?? in a cell): which part "
-    "of the hash does it keep, and where do its ids start?",
+    "Read minirad.kvcache.multimodal.pad_value and its docstring (pad_value?? in a cell): which "
+    "part of the hash does it keep, and where do its ids start?",
     Q1_SOLUTION,
 )
 
@@ -237,7 +240,7 @@ def _check_q2(answer: object) -> str | None:
 
 Q2_SOLUTION = """\
 from minirad.exercises.ch05 import q2_images
-from minirad.multimodal import hash_image
+from minirad.kvcache.multimodal import hash_image
 
 images = q2_images()
 original = hash_image(images["original"][0], **images["original"][1])

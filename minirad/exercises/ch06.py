@@ -4,8 +4,8 @@ preemption, in-batch prefix sharing).
 Each exercise is a small workload of token-id prompts; the learner predicts what the scheduler
 does with it. Expected answers are computed here by running the real
 :class:`~minirad.engine.Scheduler` over a real :class:`~minirad.RadixCache` and
-:class:`~minirad.kv_pool.TokenToKVPoolAllocator`, without a model: the model's part of a step
-only decides *which* token is sampled, and these workloads never stop on a token and never
+:class:`~minirad.kvcache.kv_pool.TokenToKVPoolAllocator`, without a model: the model's part of a
+step only decides *which* token is sampled, and these workloads never stop on a token and never
 match a generated token, so the schedule does not depend on it (every sampled token is
 :data:`FILLER`). The notebook's engine gives the same schedule for the same prompts with
 ``SamplingParams(max_new_tokens=..., stop_token_ids=())``. Every ``Qn_SOLUTION`` is runnable
@@ -23,10 +23,10 @@ from __future__ import annotations
 import functools
 import math
 
-from ..engine import Request, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
-from ..kv_pool import TokenToKVPoolAllocator
-from ..radix_cache import RadixCache
-from . import Exercise, is_int, wrong_type
+from minirad.engine import Request, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
+from minirad.exercises import Exercise, is_int, wrong_type
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.radix_cache import RadixCache
 
 __all__ = [
     "FILLER",

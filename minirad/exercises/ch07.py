@@ -1,7 +1,7 @@
 """Exercises of chapter 07 (the visualizer: frames from events, Figure 3 replayed, engine steps).
 
-The answers are computed here from the real :class:`~minirad.radix_cache.RadixCache` and its
-events: the Figure 3 scenario replayed by :class:`~minirad.scenario.ScenarioReplay`, and one
+The answers are computed here from the real :class:`~minirad.kvcache.radix_cache.RadixCache` and its
+events: the Figure 3 scenario replayed by :class:`~minirad.course.scenario.ScenarioReplay`, and one
 step of a real :class:`~minirad.engine.Scheduler` (no model needed: only the schedule is
 asked). ``minirad`` never imports the visualizer, so nothing here uses ``viz``; the tests check
 the same answers against the visualizer's frames. Every ``Qn_SOLUTION`` is runnable code that
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import functools
 
-from ..engine import Request, SamplingParams, Scheduler, SchedulerConfig
-from ..events import EvictEvent, LockEvent, SplitEvent, UnlockEvent
-from ..kv_pool import TokenToKVPoolAllocator
-from ..radix_cache import RadixCache
-from ..scenario import ScenarioReplay, StepResult
-from . import Exercise, is_int, wrong_type
+from minirad.course.scenario import ScenarioReplay, StepResult
+from minirad.engine import Request, SamplingParams, Scheduler, SchedulerConfig
+from minirad.events import EvictEvent, LockEvent, SplitEvent, UnlockEvent
+from minirad.exercises import Exercise, is_int, wrong_type
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.radix_cache import RadixCache
 
 __all__ = [
     "Q3_NODES",
@@ -183,7 +183,7 @@ answer = 2"""
 
 Q2_SOLUTION = """\
 from minirad.events import SplitEvent
-from minirad.scenario import ScenarioReplay
+from minirad.course.scenario import ScenarioReplay
 
 result = ScenarioReplay().run()[6]  # step 7
 (split,) = [e for e in result.events if isinstance(e, SplitEvent)]

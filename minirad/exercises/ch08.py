@@ -1,12 +1,12 @@
 """Exercises of chapter 08 (the real engines: vLLM's hits, block hashes and KV events).
 
 The answers are computed here with the real ``minirad`` code on the chapter's recorded vLLM
-session (:func:`minirad.recordings.load`, committed in ``data/recordings/``): vLLM's design
-replayed by :class:`~minirad.kv_cache_manager.KVCacheManager` and
-:func:`~minirad.kv_cache_manager.serve_one_at_a_time` for q1 to q3, with each image keyed by its
-file name as the chapter keys it, and the :class:`~minirad.engine.LLMEngine` on the shipped
-model with a :class:`~minirad.block_events.RadixBlockEvents` publisher for q4 (the model is
-loaded on the first check that needs it). Every ``Qn_SOLUTION`` is runnable code that sets
+session (:func:`minirad.course.recordings.load`, committed in ``data/recordings/``): vLLM's design
+replayed by :class:`~minirad.kvcache.kv_cache_manager.KVCacheManager` and
+:func:`~minirad.kvcache.kv_cache_manager.serve_one_at_a_time` for q1 to q3, with each image keyed
+by its file name as the chapter keys it, and the :class:`~minirad.engine.LLMEngine` on the shipped
+model with a :class:`~minirad.kv_events.block_events.RadixBlockEvents` publisher for q4 (the model
+is loaded on the first check that needs it). Every ``Qn_SOLUTION`` is runnable code that sets
 ``answer``; the tests run it and check it with ``qn``, and compute the answers another way
 (vLLM's recorded hashes, plain prefix arithmetic).
 
@@ -25,15 +25,14 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoConfig
 
-from .. import recordings
-from ..block_events import RadixBlockEvents
-from ..engine import GenerateRequest, LLMEngine, SamplingParams
-from ..kv_cache_manager import KVCacheManager, serve_one_at_a_time
-from ..kv_events import BlockStored
-from ..models import DEFAULT_MODEL_DIR, load_model
-from ..multimodal import MultiModalItem
-from ..vllm_env import VLLM_BLOCK_SIZE
-from . import Exercise, is_int, is_int_list, wrong_type
+from minirad.course import recordings
+from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
+from minirad.exercises import Exercise, is_int, is_int_list, wrong_type
+from minirad.kv_events import BlockStored
+from minirad.kv_events.block_events import VLLM_BLOCK_SIZE, RadixBlockEvents
+from minirad.kvcache.kv_cache_manager import KVCacheManager, serve_one_at_a_time
+from minirad.kvcache.multimodal import MultiModalItem
+from minirad.models import DEFAULT_MODEL_DIR, load_model
 
 __all__ = [
     "Q1_BLOCK_SIZE",
@@ -167,8 +166,8 @@ def _check_q2(answer: object) -> str | None:
 
 
 Q2_SOLUTION = """\
-from minirad import recordings
-from minirad.kv_cache_manager import KVCacheManager, serve_one_at_a_time
+from minirad.course import recordings
+from minirad.kvcache.kv_cache_manager import KVCacheManager, serve_one_at_a_time
 
 session = recordings.load()
 requests = [out.block_request(3) for out in session.outputs]  # 3: the model's image_token_id
@@ -233,8 +232,8 @@ def _check_q3(answer: object) -> str | None:
 
 
 Q3_SOLUTION = """\
-from minirad import recordings
-from minirad.kv_cache_manager import KVCacheManager
+from minirad.course import recordings
+from minirad.kvcache.kv_cache_manager import KVCacheManager
 
 session = recordings.load()
 manager = KVCacheManager(num_blocks=1, block_size=32)
@@ -303,8 +302,8 @@ def _check_q4(answer: object) -> str | None:
 
 
 Q4_SOLUTION = """\
-from minirad import recordings
-from minirad.block_events import RadixBlockEvents
+from minirad.course import recordings
+from minirad.kv_events.block_events import RadixBlockEvents
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.kv_events import BlockStored
 from minirad.models import DEFAULT_MODEL_DIR

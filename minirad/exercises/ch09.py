@@ -1,8 +1,8 @@
 """Exercises of chapter 09 (structured output: token bitmasks, jump-forward, retokenisation).
 
 The answers are computed here with the real ``minirad`` code on the shipped model's tokenizer:
-:func:`minirad.grammar.apply_token_bitmask` for q1, the JSON-schema grammar of
-:data:`minirad.scenes.SHAPES_JSON_SCHEMA` walked with jump-forward for q2 (a request samples
+:func:`minirad.engine.grammar.apply_token_bitmask` for q1, the JSON-schema grammar of
+:data:`minirad.course.scenes.SHAPES_JSON_SCHEMA` walked with jump-forward for q2 (a request samples
 where its grammar leaves a choice and appends what the grammar forces, as
 :meth:`minirad.engine.request.Request.jump_forward` does), a choice grammar's bitmask for q3,
 and the grammar's masks along a forced run for q4. No check needs the model's weights: what
@@ -26,11 +26,16 @@ from collections.abc import Callable
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ..grammar import Grammar, GrammarCompiler, allocate_token_bitmask, apply_token_bitmask
-from ..models import DEFAULT_MODEL_DIR
-from ..sampling_params import SamplingParams
-from ..scenes import COLOURS, SHAPES_JSON_SCHEMA
-from . import Exercise, is_int, is_int_list, wrong_type
+from minirad.course.scenes import COLOURS, SHAPES_JSON_SCHEMA
+from minirad.engine.grammar import (
+    Grammar,
+    GrammarCompiler,
+    allocate_token_bitmask,
+    apply_token_bitmask,
+)
+from minirad.engine.sampling_params import SamplingParams
+from minirad.exercises import Exercise, is_int, is_int_list, wrong_type
+from minirad.models import DEFAULT_MODEL_DIR
 
 __all__ = [
     "Q2_ANSWER_TEXT",
@@ -284,9 +289,9 @@ def _check_q3(answer: object) -> str | None:
 
 
 Q3_SOLUTION = """\
-from minirad.grammar import GrammarCompiler, allocate_token_bitmask
+from minirad.engine.grammar import GrammarCompiler, allocate_token_bitmask
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.sampling_params import SamplingParams
+from minirad.engine.sampling_params import SamplingParams
 from transformers import AutoTokenizer
 
 tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
@@ -359,10 +364,10 @@ def _check_q4(answer: object) -> str | None:
 
 Q4_SOLUTION = """\
 import functools
-from minirad.grammar import GrammarCompiler, allocate_token_bitmask
+from minirad.engine.grammar import GrammarCompiler, allocate_token_bitmask
 from minirad.models import DEFAULT_MODEL_DIR
-from minirad.sampling_params import SamplingParams
-from minirad.scenes import SHAPES_JSON_SCHEMA
+from minirad.engine.sampling_params import SamplingParams
+from minirad.course.scenes import SHAPES_JSON_SCHEMA
 from transformers import AutoTokenizer
 
 tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)

@@ -2,9 +2,9 @@
 
 The answers are computed here with the real ``minirad`` code: the routing simulator
 (:func:`minirad.bench.routing.simulate`, N replicas each with a real
-:class:`~minirad.radix_cache.RadixCache`) for q1 and q4, SGLang's ``cache_aware`` policy
-(:class:`~minirad.routing.CacheAwarePolicy`, its approximate text tree and balance
-thresholds) for q2, and vllm-router's ``kv_aware`` (:class:`~minirad.routing.KVAwarePolicy`)
+:class:`~minirad.kvcache.radix_cache.RadixCache`) for q1 and q4, SGLang's ``cache_aware`` policy
+(:class:`~minirad.cluster.routing.CacheAwarePolicy`, its approximate text tree and balance
+thresholds) for q2, and vllm-router's ``kv_aware`` (:class:`~minirad.cluster.routing.KVAwarePolicy`)
 for q3 (as vllm-router 0.1.17 decides: a replica's cost is the request's new prefill there
 plus the prefill already in flight there). Every ``Qn_SOLUTION`` is runnable code that sets
 ``answer``; the tests run it and check it with ``qn``, and compute the answers another way
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import functools
 
-from ..bench.routing import calibration_trace, simulate
-from ..bench.trace import ChatTrace, TraceRequest
-from ..routing import CacheAwarePolicy, KVAwarePolicy
-from . import Exercise, WrongAnswer, is_int, is_int_list, wrong_type
+from minirad.bench.routing import calibration_trace, simulate
+from minirad.bench.trace import ChatTrace, TraceRequest
+from minirad.cluster.routing import CacheAwarePolicy, KVAwarePolicy
+from minirad.exercises import Exercise, WrongAnswer, is_int, is_int_list, wrong_type
 
 __all__ = [
     "Q1_ORDER",
@@ -211,7 +211,7 @@ def _check_q2(answer: object) -> str | None:
 
 
 Q2_SOLUTION = """\
-from minirad.routing import CacheAwarePolicy
+from minirad.cluster.routing import CacheAwarePolicy
 
 requests = [
     ("You are a shape expert. Q: how many circles?", [0, 0]),
@@ -286,7 +286,7 @@ def _check_q3(answer: object) -> str | None:
 
 
 Q3_SOLUTION = """\
-from minirad.routing import KVAwarePolicy
+from minirad.cluster.routing import KVAwarePolicy
 
 cached = [224, 0]  # prompt tokens each replica's cache holds (7 blocks of 32 on replica 0)
 router = KVAwarePolicy(2, lambda replica, key: cached[replica], block_size=32)

@@ -2,28 +2,32 @@
 
 - :class:`ForwardBatch` (``forward_batch.py``): one step's tokens, positions and KV slots.
 - :class:`PagedDecoder` (``decoder.py``): Llama / Qwen2 layers over HF weights, attention
-  through :mod:`minirad.paged_attention`.
+  through :mod:`minirad.models.paged_attention`.
 - :class:`VLMFamily`, :func:`get_family`, :func:`load_model` (``families.py``): which VLMs we
   run and where their parts live.
 - :class:`PagedVLM`, :func:`image_features_for_chunk` (``vlm.py``): images into a prefill.
 """
 
-from .decoder import SUPPORTED_TEXT_MODELS, PagedDecoder, check_text_config, kv_cache_dims
-from .families import DEFAULT_MODEL_DIR, FAMILIES, VLMFamily, get_family, load_model
-from .forward_batch import ForwardBatch
-from .vlm import PagedVLM, image_features_for_chunk
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_MODEL_DIR",
-    "FAMILIES",
-    "SUPPORTED_TEXT_MODELS",
-    "ForwardBatch",
-    "PagedDecoder",
-    "PagedVLM",
-    "VLMFamily",
-    "check_text_config",
-    "get_family",
-    "image_features_for_chunk",
-    "kv_cache_dims",
-    "load_model",
-]
+from minirad.lazy import lazy_exports
+
+# Public name -> the module of this package that defines it, imported on first use (so
+# ``minirad.models.sampling_params`` and the other light modules never pull in torch).
+_EXPORTS: dict[str, str] = {
+    "PagedDecoder": "decoder",
+    "SUPPORTED_TEXT_MODELS": "decoder",
+    "check_text_config": "decoder",
+    "kv_cache_dims": "decoder",
+    "DEFAULT_MODEL_DIR": "families",
+    "FAMILIES": "families",
+    "VLMFamily": "families",
+    "get_family": "families",
+    "load_model": "families",
+    "ForwardBatch": "forward_batch",
+    "PagedVLM": "vlm",
+    "image_features_for_chunk": "vlm",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

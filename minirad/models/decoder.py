@@ -4,8 +4,8 @@ model's weights, with attention through the paged KV cache.
 Why not call the HF module? HF's attention keeps a contiguous per-sequence cache and a padded
 ``[batch, seq]`` layout. A serving engine needs the opposite: many sequences at different
 stages (prefill chunks next to single-token decodes) in ONE flat batch of tokens, with K/V in a
-shared pool of slots (:mod:`minirad.paged_attention`). So we rewrite the ~40 lines of the layer
-loop and keep everything else from HF: the weights (read from the modules each step, never
+shared pool of slots (:mod:`minirad.models.paged_attention`). So we rewrite the ~40 lines of the
+layer loop and keep everything else from HF: the weights (read from the modules each step, never
 copied), the RoPE frequencies ``rotary_emb.inv_freq`` and ``attention_scaling`` (so scaled
 variants such as llama3 or YaRN come out as HF computes them), the norm epsilons, the MLP
 activation and the softmax scale.
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import InvalidArgumentError, UnsupportedModelError
-from ..kv_pool import KVCache
-from ..paged_attention import split_batch, varlen_paged_attention
-from .forward_batch import ForwardBatch
+from minirad.errors import InvalidArgumentError, UnsupportedModelError
+from minirad.kvcache.kv_pool import KVCache
+from minirad.models.forward_batch import ForwardBatch
+from minirad.models.paged_attention import split_batch, varlen_paged_attention
 
 __all__ = ["SUPPORTED_TEXT_MODELS", "PagedDecoder", "check_text_config", "kv_cache_dims"]
 
@@ -70,7 +70,7 @@ def check_text_config(config) -> None:
 
 def kv_cache_dims(config) -> dict[str, int]:
     """``num_layers``, ``num_kv_heads`` and ``head_dim`` of a model's text decoder: the
-    model-given dimensions of a :class:`~minirad.kv_pool.KVCache` (the caller picks
+    model-given dimensions of a :class:`~minirad.kvcache.kv_pool.KVCache` (the caller picks
     ``num_blocks`` and ``block_size``). ``config`` is a VLM config or a text config (HF's
     ``get_text_config()`` finds the text part)."""
     c = config.get_text_config()

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from ..errors import InvalidArgumentError, UnsupportedModelError
-from .decoder import check_text_config
+from minirad.errors import InvalidArgumentError, UnsupportedModelError
+from minirad.models.decoder import check_text_config
 
 __all__ = ["DEFAULT_MODEL_DIR", "FAMILIES", "VLMFamily", "get_family", "load_model"]
 
-# The course's shipped model (trained by ``python -m minirad.train``): the offline default of
+# The course's shipped model (trained by ``python -m minirad.course.train``): the offline default of
 # the CLI, the benchmarks and the chapters.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "data" / "models" / "minirad-tiny-llava"
 

@@ -16,7 +16,8 @@ Per sequence the scheduler knows two lists:
 With the radix cache the prefix slots are ``RadixCache.match_prefix(...).indices`` and the new
 ones come from ``TokenToKVPoolAllocator.alloc`` (together: ``Req.kv_indices``, SGLang's
 ``req_to_token`` row); with vLLM's block pool, expand the block table with
-:func:`minirad.kv_pool.slot_mapping` (or :func:`minirad.paged_attention.block_table_to_kv_slots`).
+:func:`minirad.kvcache.kv_pool.slot_mapping` (or
+:func:`minirad.models.paged_attention.block_table_to_kv_slots`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import ImageError, InvalidArgumentError
+from minirad.errors import ImageError, InvalidArgumentError
 
 __all__ = ["ForwardBatch"]
 

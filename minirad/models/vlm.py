@@ -16,11 +16,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..errors import ImageError
-from ..kv_pool import KVCache
-from .decoder import PagedDecoder
-from .families import VLMFamily, get_family
-from .forward_batch import ForwardBatch
+from minirad.errors import ImageError
+from minirad.kvcache.kv_pool import KVCache
+from minirad.models.decoder import PagedDecoder
+from minirad.models.families import VLMFamily, get_family
+from minirad.models.forward_batch import ForwardBatch
 
 __all__ = ["PagedVLM", "image_features_for_chunk"]
 

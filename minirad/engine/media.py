@@ -1,0 +1,213 @@
+"""Reading pictures safely: a file, a client's data URL, or a file in the server's media folder.
+
+Every image minirad takes goes through here before the model's processor sees it (vLLM's
+``MediaConnector`` does the same job). Three rules, each from an attack that worked:
+
+- **A short list of formats**: PNG, JPEG, WebP, GIF and BMP (:data:`ALLOWED_IMAGE_FORMATS`).
+  Pillow recognises dozens; an EPS payload made it try to run Ghostscript.
+- **Sizes checked from the header, before decoding**: at most Pillow's decompression-bomb
+  limit of pixels, at most :data:`MAX_ASPECT_RATIO` between the long and the short side
+  (a 100000x1 picture resized to the model's short side is 4.8 M pixels wide), and at most
+  :data:`MAX_IMAGE_BYTES` of file or data URL.
+- **A file in the media folder is opened once, then checked**: only a regular file (a FIFO
+  would block the reader forever), and only if the file that was opened is the one its name
+  resolves to inside the folder now (a symlink swapped between a check and an open would
+  otherwise be followed out of the folder). Every way a name can fail (missing, a folder, a
+  FIFO, a link out of the folder, unreadable, not a picture) gives the same message, so a
+  client learns nothing about what lies in the folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import stat
+import warnings
+from pathlib import Path
+from typing import BinaryIO
+
+from PIL import Image
+
+from minirad.errors import ImageError
+
+__all__ = [
+    "ALLOWED_IMAGE_FORMATS",
+    "MAX_ASPECT_RATIO",
+    "MAX_IMAGE_BYTES",
+    "MediaFolder",
+    "check_image_size",
+    "decode_data_url",
+    "open_image",
+    "probe_image",
+]
+
+ALLOWED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# Longest side over shortest side (Qwen2-VL's processor refuses the same above 200).
+MAX_ASPECT_RATIO = 200
+MAX_IMAGE_BYTES = 32 * 2**20  # an image file or a data URL's decoded bytes
+_FORMATS = "PNG, JPEG, WebP, GIF or BMP"
+
+
+def _unreadable(shown: str) -> ImageError:
+    """The one message for a picture that cannot be read, whatever the reason."""
+    return ImageError(f"image {shown} is not a readable image ({_FORMATS})")
+
+
+def check_image_size(width: int, height: int, shown: str) -> None:
+    """Refuse a picture too large or too thin to preprocess, from its size alone.
+
+    Raises:
+        ImageError: more pixels than Pillow's ``MAX_IMAGE_PIXELS``, a side of 0, or an
+            aspect ratio above :data:`MAX_ASPECT_RATIO`.
+    """
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and width * height > limit:
+        raise ImageError(
+            f"image {shown} is {width}x{height} ({width * height:,} pixels): downscale it "
+            f"first; minirad reads images up to {limit:,} pixels"
+        )
+    if min(width, height) < 1 or max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise ImageError(
+            f"image {shown} is {width}x{height}: its sides differ by more than "
+            f"{MAX_ASPECT_RATIO} times; crop or pad it first"
+        )
+
+
+def probe_image(source: str | os.PathLike | BinaryIO, shown: str) -> Image.Image:
+    """Open a picture lazily (its header only) and check its format and size.
+
+    Raises:
+        ImageError: not one of :data:`ALLOWED_IMAGE_FORMATS`, unreadable, or refused by
+            :func:`check_image_size`.
+    """
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns above its pixel limit and raises above twice it: both refused below.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(source, formats=ALLOWED_IMAGE_FORMATS)
+    except Image.DecompressionBombError as e:
+        limit = Image.MAX_IMAGE_PIXELS
+        raise ImageError(
+            f"image {shown} has over {2 * limit:,} pixels: downscale it first; minirad reads "
+            f"images up to {limit:,} pixels"
+        ) from e
+    except Exception as e:  # Pillow's plugins raise many kinds on malformed headers
+        raise _unreadable(shown) from e
+    try:
+        check_image_size(*image.size, shown)
+    except ImageError:
+        image.close()  # the file Pillow opened by name
+        raise
+    return image
+
+
+def open_image(source: str | os.PathLike | BinaryIO | bytes, shown: str) -> Image.Image:
+    """A decoded picture: :func:`probe_image`, then its pixels (a truncated file fails here,
+    not in the middle of an engine step).
+
+    Raises:
+        ImageError: what :func:`probe_image` refuses, or pixels that do not decode.
+    """
+    if isinstance(source, bytes):
+        source = io.BytesIO(source)
+    image = probe_image(source, shown)
+    try:
+        image.load()
+    except Exception as e:  # truncated data, a chunk past Pillow's limits, a bad palette...
+        image.close()
+        raise _unreadable(shown) from e
+    return image
+
+
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a ``data:image/<format>;base64,<data>`` URL.
+
+    Raises:
+        ImageError: not that form, not base64 (ASCII only), or over :data:`MAX_IMAGE_BYTES`.
+    """
+    header, comma, payload = url.partition(",")
+    if not comma or not header.startswith("data:") or not header.endswith(";base64"):
+        raise ImageError("an image data URL must be data:image/<format>;base64,<data>")
+    if len(payload) // 4 * 3 > MAX_IMAGE_BYTES:
+        raise ImageError(f"the image data URL holds over {MAX_IMAGE_BYTES // 2**20} MiB")
+    try:
+        return base64.b64decode(payload.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as e:
+        raise ImageError("the image data URL is not valid base64") from e
+
+
+class MediaFolder:
+    """The folder a server reads image files from (vLLM's ``--allowed-local-media-path``).
+
+    Args:
+        path: the folder; file names given to :meth:`read` are relative to the server's
+            working folder (or absolute) and must lie in it.
+
+    Raises:
+        ImageError: ``path`` is not a folder.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(os.path.abspath(path))
+        self.real = Path(os.path.realpath(path))
+        if not self.real.is_dir():
+            raise ImageError(f"the media folder {os.fspath(path)!r} is not a folder")
+
+    def shown(self, name: str) -> str:
+        """``name`` as messages show it: relative to the folder when inside it, never the
+        server's own folders; cut to 100 characters."""
+        if "\x00" not in name:
+            full = Path(os.path.abspath(name))
+            if full.is_relative_to(self.path):
+                name = str(full.relative_to(self.path))
+        return repr(name if len(name) <= 100 else name[:100] + "...")
+
+    def read(self, name: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+        """The bytes of the regular file ``name`` inside the folder, opened once and read
+        from that handle (module docstring).
+
+        Raises:
+            ImageError: ``name`` lies outside the folder (said as such, from the name alone);
+                anything else that keeps it from being a readable file in the folder (one
+                message for all of it), or a file over ``max_bytes``.
+        """
+        shown = self.shown(name)
+        unreadable = _unreadable(shown)  # the message open_image gives a file of other bytes
+        if "\x00" in name:
+            raise unreadable
+        full = os.path.abspath(name)  # lexical: no file-system access yet
+        if not Path(full).is_relative_to(self.path):
+            raise ImageError(f"image {shown} is outside the media folder this server reads")
+        try:
+            # O_NONBLOCK: opening a FIFO returns at once (and is refused below) instead of
+            # waiting for a writer.
+            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        except (OSError, ValueError) as e:  # missing, too long, a loop, no permission...
+            raise unreadable from e
+        try:
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode):
+                raise unreadable
+            try:
+                real = os.path.realpath(full, strict=True)
+                named = os.stat(real)
+            except (OSError, ValueError) as e:
+                raise unreadable from e
+            same = (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+            if not same or not Path(real).is_relative_to(self.real):
+                raise unreadable  # a link out of the folder, or swapped since the open
+            if opened.st_size > max_bytes:
+                raise ImageError(f"image {shown} is over {max_bytes // 2**20} MiB")
+            os.set_blocking(fd, True)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(max_bytes + 1)
+        finally:
+            os.close(fd)
+        if len(data) > max_bytes:  # it grew since the fstat
+            raise ImageError(f"image {shown} is over {max_bytes // 2**20} MiB")
+        return data
+
+    def __repr__(self) -> str:
+        return f"MediaFolder({str(self.path)!r})"

@@ -1,0 +1,76 @@
+"""Argument types shared by the command lines (``minirad``, ``python -m minirad.bench``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from minirad.engine.sampling_params import SamplingParams
+from minirad.errors import RequestError
+
+__all__ = ["non_negative_float", "positive_int", "prompt_text", "sampling_arg"]
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type: an int >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: not an int, or < 1 (argparse prints it and exits 2).
+    """
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """``argparse`` type: a finite float >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, negative or not finite.
+    """
+    try:
+        value = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from e
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def prompt_text(text: str) -> str:
+    """``argparse`` type: a prompt holding a non-space character (the rule ``minirad batch``
+    applies to a JSONL ``prompt`` too).
+
+    Raises:
+        argparse.ArgumentTypeError: empty or only whitespace.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must hold a non-space character, got {text!r}")
+    return text
+
+
+def sampling_arg(name: str, parse: type[int] | type[float]):
+    """An ``argparse`` type for the :class:`~minirad.engine.sampling_params.SamplingParams` field
+    ``name``: ``parse(text)``, checked by ``SamplingParams`` itself (torch-free, so a bad flag
+    is refused before the engine import).
+
+    The returned function raises ``argparse.ArgumentTypeError`` (argparse prints it and
+    exits 2) for text ``parse`` refuses or a value out of range.
+    """
+
+    def convert(text: str) -> int | float:
+        try:
+            value = parse(text)
+        except ValueError as e:
+            kind = "an integer" if parse is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from e
+        try:
+            SamplingParams(**{name: value})
+        except RequestError as e:  # "temperature must be ...": argparse names the flag
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{name} ")) from e
+        return value
+
+    return convert

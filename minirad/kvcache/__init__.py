@@ -1,0 +1,15 @@
+"""The KV cache: what a serving engine keeps of the keys and values it has computed, and finds
+again.
+
+- :class:`RadixCache` (``radix_cache.py``): SGLang's radix prefix cache, token by token, with
+  lock references, node splits and leaf eviction; :mod:`~minirad.kvcache.eviction` picks the leaf.
+- :class:`TokenToKVPoolAllocator` and :class:`KVCache` (``kv_pool.py``): the token slots and the
+  one K/V tensor they index.
+- :class:`BlockPool` and :class:`KVCacheManager` (``block_pool.py``, ``kv_cache_manager.py``):
+  vLLM's paged cache, blocks found by chained hashes.
+- ``multimodal.py``: cache keys for images (content hashes, pad ids, block extra keys);
+  ``tokens.py``: the token-id checks both caches share.
+
+This layer imports nothing from the model, the engine or the servers: the chapters build it and
+test it alone.
+"""
