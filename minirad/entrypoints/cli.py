@@ -7,8 +7,7 @@ Usage::
     minirad generate --image a.png --prompt "List the shapes as JSON." --json-schema shapes.json
     minirad generate --image a.png --prompt "What colour is the circle?" --choice red blue
     minirad batch requests.jsonl --prefix-strategy radix --page-size 4
-    minirad serve --port 8000   # an OpenAI-compatible HTTP server
-    (minirad.entrypoints.openai.api_server)
+    minirad serve --port 8000   # an OpenAI-compatible HTTP server (entrypoints/openai/)
 
 ``batch`` reads one JSON object per line::
 
