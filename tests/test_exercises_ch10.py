@@ -177,7 +177,7 @@ class TestExerciseContract(ExerciseContract):
 
 
 def test_q4_oracle_is_the_two_replica_pile_up_too():
-    """At 2 replicas and one client the oracle's arithmetic gives the README's calibration:
+    """At 2 replicas and one client the oracle's arithmetic gives docs/replicas.md's calibration:
     round robin misses each of the 4 system prompts once per replica (32 hits of 224 tokens),
     cache_aware once in all (36 hits)."""
     requests = q4_requests()

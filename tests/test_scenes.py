@@ -255,7 +255,7 @@ def test_json_answers_list_the_caption_and_validate(seed):
 
 
 def test_the_shipped_schema_file_is_the_one_in_the_code():
-    """data/schemas/shapes.schema.json (the README's `--json-schema` example) is
+    """data/schemas/shapes.schema.json (docs/serving.md's `--json-schema` example) is
     SHAPES_JSON_SCHEMA, written with json.dumps(indent=2)."""
     path = DEFAULT_TOKENIZER_DIR.parent / "schemas" / "shapes.schema.json"
     assert json.loads(path.read_text()) == SHAPES_JSON_SCHEMA

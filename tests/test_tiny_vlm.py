@@ -367,7 +367,7 @@ TRUTH = {
 
 
 def test_readme_main_path(capsys):
-    """The README's first commands: the shipped model, served by our engine through the CLI,
+    """docs/serving.md's first commands: the shipped model, served by our engine through the CLI,
     answers the shipped questions about the shipped pictures correctly."""
     from minirad.entrypoints.cli import main as cli
 
@@ -375,7 +375,7 @@ def test_readme_main_path(capsys):
     assert cli(["generate", "--image", str(image), "--prompt", "What colour is the circle?"]) == 0
     assert capsys.readouterr().out == "purple\n"
 
-    # The README's JSON example: under the shipped schema the answer lists the picture's shapes.
+    # docs/serving.md's JSON example: under the shipped schema, the answer lists the shapes.
     schema = DEFAULT_MODEL_DIR.parents[1] / "schemas" / "shapes.schema.json"
     argv = ["--prompt", JSON_PROMPT, "--json-schema", str(schema), "--max-new-tokens", "128"]
     assert cli(["generate", "--image", str(image), *argv]) == 0

@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 # The runs measured with real workers behind the real routers, saved by
-# ``python -m minirad.bench replicas --repeats 3 --save`` (README, chapter 10).
+# ``python -m minirad.bench replicas --repeats 3 --save`` (docs/replicas.md, chapter 10).
 MEASURED_RUNS = {
     kind: REPO_ROOT / "data" / "recordings" / f"replicas_{kind}.json"
     for kind in ("minirad", "vllm")

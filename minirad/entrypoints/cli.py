@@ -20,34 +20,8 @@ schema object itself, ``regex``: a string, ``choice``: a list of strings). It pr
 answer with its finish reason, then what the radix cache and the encoder cache saved over the
 whole batch (the engine's :class:`~minirad.engine.EngineStats`).
 
-Structured output (:mod:`minirad.engine.grammar`): ``generate --json-schema FILE`` (a JSON schema in
-a file), ``--regex REGEX`` (a full match, Rust ``regex`` syntax) or ``--choice A B ...`` (one
-of the words), at most one of them, as ``SamplingParams(json_schema=..., regex=...,
-choice=...)``. The flags and the schema file are checked before the model loads (a file that
-is missing or not a JSON object, an empty choice); the grammar itself is compiled when the
-engine takes the request (a regex that does not parse, a schema no value satisfies). An
-answer cut at the length limit says whether it is complete (JSON that does not parse, a word
-that is not one of the choices).
-
-Inputs, the same rules for both commands:
-
-- A prompt must hold a non-space character.
-- A plain prompt is wrapped in the model's chat template as the user turn: one image item
-  per image, all before the question, in the order given (the content list a chat request
-  to vLLM or SGLang would carry). It must not contain the placeholder (``<image>``) itself;
-  ``--raw`` sends the prompt as written, and it must then hold one placeholder per image.
-- Every model minirad loads is a VLM: a request without an image runs, with a warning on
-  stderr (the course's tiny model was trained on image questions only).
-- Images are checked before the model loads: a missing path, a directory, a file that is
-  not a PNG, JPEG, WebP, GIF or BMP image, an image above PIL's decompression-bomb limit
-  (``PIL.Image.MAX_IMAGE_PIXELS``, about 89 M pixels) or one whose sides differ by more than
-  200 times is refused (:mod:`minirad.engine.media`).
-
-``generate`` prints the answer on stdout and its finish reason on stderr, as vLLM and the
-OpenAI API report it: ``stop`` (a stop token) or ``length`` (``--max-new-tokens`` reached,
-or the context full at the model's ``max_model_len``). Any error (missing model or image,
-bad JSONL line, bad setting, bad schema or regex) prints one line on stderr and exits with
-status 2.
+The rules for prompts, images and structured output, and what the commands print, are in
+``docs/serving.md`` ("What the commands check").
 """
 
 from __future__ import annotations
