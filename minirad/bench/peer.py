@@ -2,7 +2,7 @@
 
 vLLM cannot be imported in the course venv (``minirad/peers/vllm_env.py``), so :class:`VLLMPeer`
 starts ``minirad/bench/vllm_worker.py`` with the vLLM venv's Python once, waits until its
-offline ``vllm.LLM`` is up (about 40 s on two cores), and then sends it workloads over a pipe
+offline ``vllm.LLM`` is up (tens of seconds: started once), and then sends it workloads over a pipe
 (length-prefixed msgpack frames; the protocol is in the worker's docstring). Timings are taken
 inside the worker, around ``LLM.generate``, so the pipe and the PNG encoding are not counted.
 

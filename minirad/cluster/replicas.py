@@ -16,19 +16,8 @@ little). :func:`worker_counters` reads a worker's ``/metrics`` (vLLM's counter n
 ours share), so hit rates and request counts come from the workers themselves, not from the
 client.
 
-How the two routers decide (``sgl-router/src/policies``; vllm-router's decision log):
-
-- **cache_aware** keeps an approximate radix tree of the request *text* it has sent to each
-  worker; a request goes to the worker with the longest match if that match covers at least
-  ``cache_threshold`` of it, else to the least-loaded worker, and to the least-loaded worker
-  whenever the loads are unbalanced (``balance_abs_threshold``, ``balance_rel_threshold``).
-- **kv_aware** subscribes to every worker's KV events (``BlockStored`` with ``token_ids``,
-  ``BlockRemoved``) and prices each worker: the prompt's new prefill there (its cached prefix
-  credited in full for ``"GPU"`` blocks, at 0.8 for ``"CPU"`` ones) plus the new prefill it
-  has in flight there; the cheapest wins (:class:`minirad.cluster.routing.KVAwarePolicy`). So it
-  sees what the caches really hold, evictions and requests sent behind the router's back
-  included. It consults the caches only for ``/v1/completions`` with token-id prompts; text
-  prompts and chat requests it routes without them (by load), silently.
+How the two routers decide is re-implemented, with the sources it was read from, in
+:mod:`minirad.cluster.routing`; docs/replicas.md measures both against it.
 
 Example::
 

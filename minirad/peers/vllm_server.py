@@ -7,7 +7,7 @@ ports, with the settings vLLM's CPU backend needs here (32-token blocks, float32
 
 Example::
 
-    with VLLMServer() as server:  # 30-70 s on 2 cores
+    with VLLMServer() as server:  # starts vLLM: tens of seconds
         sub = KVEventSubscriber(server.kv_events_endpoint, server.replay_endpoint)
         answer = server.chat("Describe the image.", image="data/images/red_circle.png")
         answer["token_ids"], answer["cached_tokens"]  # [68, 334, ...], 0
