@@ -637,3 +637,32 @@ def test_preempted_request_does_not_count_its_own_kv_as_prefix_hits(llava):
     found_again = sum(o.stats.preempted_cached_tokens for o in outs)  # recompute saved
     assert found_again > 0 and engine.stats.preempted_cached_tokens == found_again
     assert_idle(engine)
+
+
+class FailingDecode:
+    """A tokenizer whose ``decode`` raises: detokenizing fails after the step's update."""
+
+    def decode(self, token_ids, **kwargs):
+        raise RuntimeError("injected detokenize fault")
+
+
+def test_a_request_failing_after_its_step_finishes_once(llava, monkeypatch):
+    """A request whose text fails to decode after its step ends with "error" and counts once in
+    ``num_finished`` and in the step's events, whether or not the update had finished it already
+    (one still running used to count twice: once when it failed, once among the finished)."""
+    engine = LLMEngine(*llava)
+    recorder = EventRecorder(engine.bus)
+    (text_a, ims_a), (text_b, ims_b) = CASES[0], CASES[2]
+    engine.add_request(GenerateRequest(text_a, ims_a, SamplingParams(max_new_tokens=8), "a"))
+    engine.add_request(GenerateRequest(text_b, ims_b, SamplingParams(max_new_tokens=1), "b"))
+    monkeypatch.setattr(engine, "tokenizer", FailingDecode())
+    outs = engine.step()  # one step: a gets its first token, b its only one; both fail after
+    monkeypatch.undo()
+    assert sorted((o.rid, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
+    assert all(isinstance(o.error, RuntimeError) for o in outs)
+    assert engine.stats.num_finished == 2
+    (ok,) = engine.generate([GenerateRequest(text_a, ims_a, SamplingParams(max_new_tokens=8))])
+    assert ok.finish_reason == "length" and engine.stats.num_finished == 3
+    finished = [rid for e in recorder.events if isinstance(e, StepEvent) for rid in e.finished]
+    assert sorted(finished) == sorted(["a", "b", ok.rid])
+    assert_idle(engine)

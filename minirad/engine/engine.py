@@ -4,13 +4,14 @@ The parts, each in its own module (nano-vllm's ``LLMEngine`` layout, vLLM's name
 
     GenerateRequest --InputProcessor--> Request --Scheduler.add_request--> waiting queue
     step():  Scheduler.schedule()            which requests, how many tokens, which KV slots
-             ModelRunner.execute_model()     one ForwardBatch, image features from the
-                                             EncoderCache, PagedVLM -> logits
-             apply_token_bitmask()           structured output: forbidden tokens -> -inf
-             sample()                        greedy / temperature / top-k / top-p, per request
+             _execute_model()                ModelRunner: one ForwardBatch, image features
+                                             from the EncoderCache, PagedVLM -> logits
+             _sample()                       grammar masks, then greedy / temperature /
+                                             top-k / top-p, per request
              Scheduler.update_from_output()  append tokens, stop, cache in the radix tree
-             Request.jump_forward()          append the tokens a grammar forces
-             _detokenize()                   the text; finish at a stop string
+             _process_outputs()              jump-forward (tokens a grammar forces), the
+                                             text; finish at a stop string
+             _record_step()                  the StepEvent and EngineStats
     -> RequestOutput (token ids, text, finish reason, stats)
 
 Memory: one :class:`~minirad.kvcache.kv_pool.KVCache` of ``num_kv_slots`` token slots in pages of
@@ -126,6 +127,19 @@ class EngineStats:
     forced_tokens: int = 0
 
 
+def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    """``config`` (or the defaults) with ``overrides`` applied; unknown names refused."""
+    known = {f.name for f in fields(EngineConfig)}
+    if unknown := set(overrides) - known:
+        raise InvalidArgumentError(f"unknown engine settings {sorted(unknown)}")
+    return replace(config or EngineConfig(), **overrides)
+
+
+def _eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    eos = model.generation_config.eos_token_id
+    return () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+
+
 class LLMEngine:
     """A continuous-batching VLM engine with radix prefix reuse.
 
@@ -158,10 +172,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         **kwargs,
     ) -> None:
-        known = {f.name for f in fields(EngineConfig)}
-        if unknown := set(kwargs) - known:
-            raise InvalidArgumentError(f"unknown engine settings {sorted(unknown)}")
-        self.config = cfg = replace(config or EngineConfig(), **kwargs)
+        self.config = cfg = _resolve_config(config, kwargs)
         text_config = model.config.text_config
         self.max_model_len = cfg.max_model_len or text_config.max_position_embeddings
         self.vocab_size = text_config.vocab_size  # logit columns
@@ -177,52 +188,55 @@ class LLMEngine:
         )
         self.vlm = PagedVLM(model, self.kv_cache)
         self.encoder_cache = EncoderCache(cfg.encoder_cache_size)
-        self.scheduler = Scheduler(
-            self.tree_cache,
-            SchedulerConfig(
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                policy=cfg.policy,
-                prefix_strategy=cfg.prefix_strategy,
-                in_batch_prefix_threshold=cfg.in_batch_prefix_threshold,
-                max_model_len=self.max_model_len,
-            ),
-        )
+        self.scheduler = Scheduler(self.tree_cache, self._scheduler_config())
         self.model_runner = ModelRunner(self.vlm, self.encoder_cache)
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.input_processor = InputProcessor(
             processor,
             image_token_id=self.vlm.image_token_id,
-            vocab_size=text_config.vocab_size,
+            vocab_size=self.vocab_size,
             image_input_names=self.vlm.family.image_input_names,
             max_prompt_tokens=self.max_model_len,
         )
-        eos = model.generation_config.eos_token_id  # what HF generate() stops on
-        self.eos_token_ids: tuple[int, ...] = (
-            () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
-        )
+        self.eos_token_ids = _eos_token_ids(model)  # what HF generate() stops on
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first grammar
         self._grammar_lock = threading.Lock()  # process_inputs may run on several threads
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self._next_rid = 0
         self._stats = EngineStats()
-        # vLLM-format KV events, opt-in (see EngineConfig); pyzmq is imported only then.
         self.kv_events = self.kv_event_publisher = None
         if cfg.kv_events_endpoint is not None:
-            from minirad.kv_events import KVEventPublisher
-            from minirad.kv_events.block_events import RadixBlockEvents
+            self._start_kv_events()
 
-            self.kv_events = RadixBlockEvents(
-                self.bus,
-                block_size=cfg.kv_events_block_size,
-                image_token_id=self.vlm.image_token_id,
-                vocab_size=text_config.vocab_size,
-            )
-            self.kv_event_publisher = KVEventPublisher(
-                cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint
-            )
-            self.kv_events.sink = self.kv_event_publisher.publish
+    def _scheduler_config(self) -> SchedulerConfig:
+        cfg = self.config
+        return SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            policy=cfg.policy,
+            prefix_strategy=cfg.prefix_strategy,
+            in_batch_prefix_threshold=cfg.in_batch_prefix_threshold,
+            max_model_len=self.max_model_len,
+        )
+
+    def _start_kv_events(self) -> None:
+        """Publish the tree's full blocks as vLLM KV events (opt-in: pyzmq is imported only
+        here)."""
+        from minirad.kv_events import KVEventPublisher
+        from minirad.kv_events.block_events import RadixBlockEvents
+
+        cfg = self.config
+        self.kv_events = RadixBlockEvents(
+            self.bus,
+            block_size=cfg.kv_events_block_size,
+            image_token_id=self.vlm.image_token_id,
+            vocab_size=self.vocab_size,
+        )
+        self.kv_event_publisher = KVEventPublisher(
+            cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint
+        )
+        self.kv_events.sink = self.kv_event_publisher.publish
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> LLMEngine:
@@ -380,6 +394,7 @@ class LLMEngine:
         none of their own KV: what a server does when a step raised outside any one request
         (:meth:`step` handles the failures it can pin on requests itself). Their outputs."""
         requests = list(self.scheduler.requests.values())
+        self._stats.num_finished += sum(not r.is_finished for r in requests)
         return [self._fail(r, error, keep_kv=False) for r in requests]
 
     def has_unfinished_requests(self) -> bool:
@@ -387,51 +402,27 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, update. Returns an output for every
-        request that got a token in this step (finished ones included).
+        """Schedule, run the model, sample, update. Returns an output for every request that
+        got a token in this step (finished ones included).
 
-        A failure ends the requests it belongs to, never the engine: a forward pass that
-        raises is run again request by request, and those that fail alone end (their new KV,
-        perhaps never written, is not cached); sampling, a grammar, jump-forward or
-        detokenizing that raises for one request ends that request alone. Failed requests
-        come out with finish reason ``"error"`` and the exception in ``error``.
-        """
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        A failure ends the requests it belongs to, never the engine (a forward pass that raises
+        is rerun request by request to find them): they come out with finish reason
+        ``"error"`` and the exception in ``error``."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
             if self.scheduler.has_unfinished_requests():  # cannot happen: guards a busy loop
                 raise InvariantError("unfinished requests but nothing could be scheduled")
             return []
-        scheduled = out
-        out, logits, failed = self._execute(out)
-        if not out.scheduled:
-            self._emit_step(scheduled, [o.rid for o in failed])
-            return failed
-        rows = [i for i, s in enumerate(out.scheduled) if s.sample]
-        requests = [out.scheduled[i].request for i in rows]
-        chosen = logits[rows]  # a copy: the raw rows stay for return_logits
-        self._apply_grammars(chosen, requests)
-        tokens = self._sample(chosen, requests)
-        for row, request in zip(rows, requests, strict=True):
-            if request.logits is not None:
-                request.logits.append(logits[row].float().clone())
-        advanced = self.scheduler.update_from_output(out, tokens)
-        for request in advanced:
-            try:
-                self._jump_forward(request)
-                self._detokenize(request)
-            except Exception as e:
-                log.exception("request %s failed after its step", request.rid)
-                self._fail(request, e)
-        finished = [o.rid for o in failed] + [r.rid for r in advanced if r.is_finished]
-        self._emit_step(scheduled, finished)
-        st = self._stats
-        st.num_steps += 1
-        st.prefill_tokens += out.num_prefill_tokens
-        st.decode_tokens += out.num_decode_tokens
-        st.num_finished += sum(r.is_finished for r in advanced)
+        out, logits, failed = self._execute_model(scheduled)
+        advanced: list[Request] = []
+        if out.scheduled:
+            tokens = self._sample(out, logits)
+            advanced = self.scheduler.update_from_output(out, tokens)
+            self._process_outputs(advanced)
+        self._record_step(scheduled, out, failed, advanced)
         return failed + [self._make_output(r) for r in advanced]
 
-    def _execute(
+    def _execute_model(
         self, out: SchedulerOutput
     ) -> tuple[SchedulerOutput, torch.Tensor | None, list[RequestOutput]]:
         """The step's forward pass: ``(out, logits, [])``. If it raises, each request runs
@@ -455,7 +446,21 @@ class LLMEngine:
         logits = torch.stack(rows) if rows else None
         return replace(out, scheduled=kept), logits, failed
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[int]:
+        """A token for each scheduled request whose chunk reaches its last token (``sample``),
+        in batch order: its grammar's mask applied, then its sampling parameters. The raw rows
+        of requests that return logits are kept."""
+        rows = [i for i, s in enumerate(out.scheduled) if s.sample]
+        requests = [out.scheduled[i].request for i in rows]
+        chosen = logits[rows]  # a copy: the raw rows stay for return_logits
+        self._apply_grammars(chosen, requests)
+        tokens = self._sample_rows(chosen, requests)
+        for row, request in zip(rows, requests, strict=True):
+            if request.logits is not None:
+                request.logits.append(logits[row].float().clone())
+        return tokens
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """One token per row of ``logits``. A row whose sampling raises fails its request (its
         token, a placeholder, is then dropped by the scheduler)."""
         try:
@@ -473,13 +478,42 @@ class LLMEngine:
                     tokens.append(0)
             return tokens
 
+    def _process_outputs(self, advanced: list[Request]) -> None:
+        """After the update: each advanced request's grammar-forced tokens, then its text
+        (which may finish it at a stop string). A failure here ends that request alone."""
+        for request in advanced:
+            try:
+                self._jump_forward(request)
+                self._detokenize(request)
+            except Exception as e:
+                log.exception("request %s failed after its step", request.rid)
+                self._fail(request, e)
+
     def _fail(self, request: Request, error: Exception, keep_kv: bool = True) -> RequestOutput:
         """End ``request`` with ``error`` (finish reason ``"error"``); its output."""
         if not request.is_finished:  # else the scheduler has released it already
             self.scheduler.finish_request(request.rid, keep_kv=keep_kv)
-            self._stats.num_finished += 1
         request.fail(error)
         return self._make_output(request)
+
+    def _record_step(
+        self,
+        scheduled: SchedulerOutput,
+        ran: SchedulerOutput,
+        failed: list[RequestOutput],
+        advanced: list[Request],
+    ) -> None:
+        """The step's telemetry: its :class:`StepEvent` (the batch as scheduled) and the
+        engine's counters (the batch that ran). Each request that ended in the step counts
+        once, whether it failed its forward pass or finished after it."""
+        finished = [o.rid for o in failed] + [r.rid for r in advanced if r.is_finished]
+        self._emit_step(scheduled, finished)
+        st = self._stats
+        st.num_finished += len(finished)
+        if ran.scheduled:  # else every request failed its forward pass: nothing was computed
+            st.num_steps += 1
+            st.prefill_tokens += ran.num_prefill_tokens
+            st.decode_tokens += ran.num_decode_tokens
 
     def _emit_step(self, out: SchedulerOutput, finished: list[str]) -> None:
         t = self.bus.tick()

@@ -10,11 +10,11 @@ forced run in one step, as a prefill chunk. That is *jump-forward decoding*, the
 finite-state machine of the SGLang paper (Zheng et al. 2024, §4).
 
 The backend is llguidance (https://github.com/guidance-ai/llguidance), one of the three that
-vLLM and SGLang use (with xgrammar and outlines-core): 8 MB, no runtime dependency, and offline
+vLLM and SGLang use (with xgrammar and outlines-core): small, no runtime dependency, and offline
 with a local tokenizer. The layout follows vLLM's ``v1/structured_output`` (a manager that
 compiles and caches grammars, one ``Grammar`` object per request) and its ``backend_guidance.py``.
 
-Three choices, each measured or read from the engines:
+Three choices, and why:
 
 - JSON is compact: the separators are ``", "`` and ``": "`` (``json.dumps``' defaults, and
   xgrammar's with ``any_whitespace=False``) and no other whitespace is allowed. With free

@@ -145,7 +145,7 @@ class InputProcessor:
         self._expansions: dict[tuple, tuple[int, ...]] = {}
         self._bare = processor.tokenizer(self.image_token)["input_ids"] if processor else []
         # A fast tokenizer's Rust backend gives the ids tokenizer(text) gives, without its
-        # per-call argument handling: the shared bench's 128 prompts took 15 ms, now 8.
+        # per-call argument handling (per-prompt overhead on the input threads).
         self._backend = getattr(getattr(processor, "tokenizer", None), "backend_tokenizer", None)
         # No token covers more characters than the vocabulary's longest entry; 4 times that
         # per token leaves room for normalizers that shrink the text (NFC composes accents).

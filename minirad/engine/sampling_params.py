@@ -42,11 +42,8 @@ class SamplingParams:
             (``generation_config.eos_token_id``); ``()``: never stop on a token.
         stop: stop when the output text contains one of these strings (vLLM's ``stop``). The
             text is cut before it (``include_stop_str_in_output``: after it); the token ids
-            end with the token that completed it. The engine checks after each step, on the
-            decoded text, so a string that a step's tokens complete ends the request in that
-            step (a grammar's forced run stops short of it, so it is sampled alone); streamed
-            text holds back its last ``max(len(s)) - 1`` characters until it cannot start a
-            stop string. A str is one stop string.
+            end with the token that completed it, in the step that completed it. A str is one
+            stop string.
         include_stop_str_in_output: keep the stop string, or the stop token's text, at the
             end of the text.
         json_schema: constrain the output to JSON valid against this schema (a dict, or its

@@ -244,8 +244,17 @@ class Scheduler:
         in_batch = None
         if self.waiting and cfg.in_batch_prefix_threshold and cfg.prefix_strategy != "none":
             in_batch = RadixCache(page_size=self.page_size)
+        budget = self._schedule_running(out, budget, in_batch)
+        if not out.preempted:  # vLLM: no new requests after a preemption
+            self._schedule_waiting(out, budget, in_batch)
+        return out
 
-        for request in list(self.running):  # oldest first
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: float, in_batch: RadixCache | None
+    ) -> float:
+        """Running requests, oldest first, get their tokens and slots, preempting the newest
+        when short. Returns the budget left."""
+        for request in list(self.running):
             if budget <= 0 or request.status is not RequestStatus.RUNNING:
                 break  # out of budget, or preempted below as a victim (so are all after it)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -253,44 +262,57 @@ class Scheduler:
                 break
             self._add_scheduled(out, request, n, in_batch)
             budget -= n
+        return budget
+
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: float, in_batch: RadixCache | None
+    ) -> None:
+        """Admit waiting requests while budget, seats and slots last: each is matched against
+        the tree, deferred if a request in this step computes its prefix, else scheduled."""
+        cfg = self.config
 
         def can_admit() -> bool:
             return bool(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs
 
-        if not out.preempted and can_admit():  # vLLM: no new requests after a preemption
-            if cfg.policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
-                self._sort_waiting_by_prefix_match()
-            while can_admit():
-                request = self.waiting.popleft()
-                self.tree_cache.match_prefix_for_req(request, self._max_prefix_len(request))
-                if in_batch is not None and self._shares_in_batch(request, in_batch):
-                    self._release(request, insert=False)
-                    out.deferred.append(request)
-                    continue
-                n = min(request.num_tokens - request.num_computed_tokens, budget)
-                if not self._allocate(request, n):
-                    self._release(request, insert=False)
-                    self.waiting.appendleft(request)
-                    break  # head-of-line: later requests do not jump a request short of memory
-                found = request.cache_protected_len
-                if request.stats.num_preemptions:  # its own KV again: not hits (vLLM #25787)
-                    request.stats.preempted_cached_tokens += found
-                    self.num_preempted_cached_tokens += found
-                else:  # a first admission: prefix hits (vLLM's num_cached_tokens)
-                    # Prompt tokens only: a grammar's first forced run (outputs appended before
-                    # admission, Request.jump_forward) may be found in the tree too; it saves
-                    # compute but is not a prompt hit, and would push the hit rate past 100%.
-                    hits = min(found, request.num_prompt_tokens)
-                    request.stats.cached_tokens = hits
-                    request.stats.cached_forced_tokens = found - hits
-                    self.num_cached_tokens += hits
-                    self.num_queried_tokens += request.num_prompt_tokens
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                self._add_scheduled(out, request, n, in_batch)
-                budget -= n
-            self.waiting.extendleft(reversed(out.deferred))  # they keep their place
-        return out
+        if not can_admit():
+            return
+        if cfg.policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
+            self._sort_waiting_by_prefix_match()
+        while can_admit():
+            request = self.waiting.popleft()
+            self.tree_cache.match_prefix_for_req(request, self._max_prefix_len(request))
+            if in_batch is not None and self._shares_in_batch(request, in_batch):
+                self._release(request, insert=False)
+                out.deferred.append(request)
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate(request, n):
+                self._release(request, insert=False)
+                self.waiting.appendleft(request)
+                break  # head-of-line: later requests do not jump a request short of memory
+            self._count_prefix_hits(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_scheduled(out, request, n, in_batch)
+            budget -= n
+        self.waiting.extendleft(reversed(out.deferred))  # they keep their place
+
+    def _count_prefix_hits(self, request: Request) -> None:
+        """Credit the prefix an admitted request found in the tree: hits at a first admission,
+        recompute saved at a readmission after preemption (its own KV: not hits, vLLM #25787)."""
+        found = request.cache_protected_len
+        if request.stats.num_preemptions:
+            request.stats.preempted_cached_tokens += found
+            self.num_preempted_cached_tokens += found
+            return
+        # Prompt tokens only: a grammar's first forced run (outputs appended before admission,
+        # Request.jump_forward) may be found in the tree too; it saves compute but is not a
+        # prompt hit, and would push the hit rate past 100%.
+        hits = min(found, request.num_prompt_tokens)
+        request.stats.cached_tokens = hits
+        request.stats.cached_forced_tokens = found - hits
+        self.num_cached_tokens += hits
+        self.num_queried_tokens += request.num_prompt_tokens
 
     def _add_scheduled(
         self, out: SchedulerOutput, request: Request, n: int, in_batch: RadixCache | None

@@ -109,53 +109,25 @@ class ForwardBatch:
                 and ``mm_token_indices``, or an index outside the batch.
             ImageError: the feature rows and the indices differ in number.
         """
-        B = len(token_ids)
-        if B == 0 or len(kv_slots) != B:
-            raise InvalidArgumentError(
-                f"need one kv_slots row per sequence and at least one sequence, "
-                f"got {B} token lists and {len(kv_slots)} kv_slots rows"
-            )
-        if (mm_features is None) != (mm_token_indices is None):
-            raise InvalidArgumentError("give mm_features and mm_token_indices together")
+        _check_inputs(token_ids, kv_slots, mm_features, mm_token_indices)
         query_lens = [len(t) for t in token_ids]
         seq_lens = [len(s) for s in kv_slots]
-        for b, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
-            if not 1 <= q <= s:
-                raise InvalidArgumentError(
-                    f"sequence {b}: {q} new tokens with {s} context slots (need 1 <= new <= ctx)"
-                )
-        max_seq_len = max(seq_lens)
         ids, positions, slots, logits_indices = [], [], [], []
-        for b in range(B):
-            q, s = query_lens[b], seq_lens[b]
+        for b, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
             ids.extend(token_ids[b])
             positions.extend(range(s - q, s))
             slots.extend(kv_slots[b][s - q :])
             end = len(ids)
             logits_indices.extend(range(end - q, end) if all_logits else (end - 1,))
-        # Row by row into a zeroed array: ~3x faster than torch.tensor on a list of padded
-        # lists, and this is per-step Python work. (An engine can keep the rows in a tensor,
-        # SGLang's ReqToTokenPool, and index it instead of calling build.)
-        padded = np.zeros((B, max_seq_len), dtype=np.int64)
-        for b, row in enumerate(kv_slots):
-            padded[b, : len(row)] = row
 
         def t(x: Sequence[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
-
-        if mm_features is not None:
-            if len(mm_token_indices) != mm_features.shape[0]:
-                raise ImageError(
-                    f"{len(mm_token_indices)} image rows but {mm_features.shape[0]} feature rows"
-                )
-            if not all(0 <= r < len(ids) for r in mm_token_indices):
-                raise InvalidArgumentError(f"mm_token_indices must be in 0..{len(ids) - 1}")
 
         return cls(
             input_ids=t(ids),
             positions=t(positions),
             slot_mapping=t(slots),
-            kv_slots=torch.from_numpy(padded).to(device),
+            kv_slots=_padded(kv_slots, max(seq_lens)).to(device),
             seq_lens=t(seq_lens),
             query_lens=t(query_lens),
             logits_indices=t(logits_indices),
@@ -163,3 +135,44 @@ class ForwardBatch:
             mm_features=None if mm_features is None else mm_features.to(device),
             mm_token_indices=None if mm_token_indices is None else t(mm_token_indices),
         )
+
+
+def _check_inputs(
+    token_ids: Sequence[Sequence[int]],
+    kv_slots: Sequence[Sequence[int]],
+    mm_features: torch.Tensor | None,
+    mm_token_indices: Sequence[int] | None,
+) -> None:
+    """:meth:`ForwardBatch.build`'s argument checks (its Raises section)."""
+    B = len(token_ids)
+    if B == 0 or len(kv_slots) != B:
+        raise InvalidArgumentError(
+            f"need one kv_slots row per sequence and at least one sequence, "
+            f"got {B} token lists and {len(kv_slots)} kv_slots rows"
+        )
+    if (mm_features is None) != (mm_token_indices is None):
+        raise InvalidArgumentError("give mm_features and mm_token_indices together")
+    for b, (tokens, slots) in enumerate(zip(token_ids, kv_slots, strict=True)):
+        q, s = len(tokens), len(slots)
+        if not 1 <= q <= s:
+            raise InvalidArgumentError(
+                f"sequence {b}: {q} new tokens with {s} context slots (need 1 <= new <= ctx)"
+            )
+    if mm_features is not None:
+        if len(mm_token_indices) != mm_features.shape[0]:
+            raise ImageError(
+                f"{len(mm_token_indices)} image rows but {mm_features.shape[0]} feature rows"
+            )
+        num_tokens = sum(len(t) for t in token_ids)
+        if not all(0 <= r < num_tokens for r in mm_token_indices):
+            raise InvalidArgumentError(f"mm_token_indices must be in 0..{num_tokens - 1}")
+
+
+def _padded(kv_slots: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """``[B, width]`` int64 rows padded with slot 0, filled row by row into a zeroed array:
+    per-step Python work, cheaper than ``torch.tensor`` on padded lists (an engine can keep
+    the rows in a tensor, SGLang's ``ReqToTokenPool``, and index it instead)."""
+    padded = np.zeros((len(kv_slots), width), dtype=np.int64)
+    for b, row in enumerate(kv_slots):
+        padded[b, : len(row)] = row
+    return torch.from_numpy(padded)

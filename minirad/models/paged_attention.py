@@ -26,8 +26,8 @@ they are built once per forward and shared by every layer.
 
 The engine splits a step that mixes decodes and prefills in two such calls
 (:func:`split_batch`, :func:`varlen_paged_attention`): one for its decodes, one for its prefills.
-With one call, a step of one 77-token prompt and seven decodes pads every decode to 77 query
-rows, 7x the real work (a FlashAttention varlen kernel walks the ragged lengths instead).
+With one call, a step of one 77-token prompt and seven decodes would pad every decode to 77
+query rows (a FlashAttention varlen kernel walks the ragged lengths instead).
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ def paged_attention(
     k_cache.index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
     # The paged read: [B, S, num_kv_heads, head_dim], padding slots included (masked below).
-    # index_select on the flat index is ~5x faster on CPU than advanced indexing with a 2-D
-    # index tensor, and this gather is the largest memory traffic of a decode step.
+    # index_select on the flat index rather than advanced indexing with a 2-D index tensor:
+    # this gather is the largest memory traffic of a decode step.
     B, S = metadata.kv_slots.shape
     flat_slots = metadata.kv_slots.reshape(-1)
     keys = k_cache.index_select(0, flat_slots).view(B, S, *k_cache.shape[1:]).to(q.dtype)
