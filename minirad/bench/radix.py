@@ -1,77 +1,11 @@
 """Radix-cache benchmark: replay a multi-turn chat trace through :class:`RadixCache`.
 
-Every request goes through the cache as SGLang's scheduler drives it:
-
-1. **start**: :meth:`RadixCache.match_prefix_for_req` finds and locks the cached prefix;
-   the uncached rest of the prompt and the decoded tokens get private slots from the
-   :class:`TokenToKVPoolAllocator`, and when it is short, :meth:`RadixCache.evict` frees
-   unlocked leaves first (SGLang's ``evict_from_tree_cache`` before ``alloc``,
-   ``python/sglang/srt/mem_cache/common.py``). Slots for all decode steps are taken at
-   admission, as a scheduler that reserves ``max_new_tokens`` would.
-2. **finish**: :meth:`RadixCache.cache_finished_req` inserts prompt + output (all but the
-   last sampled token, which has no KV), frees the duplicate slots and releases the lock.
-
-The time of those calls alone (``time.perf_counter`` around each) is the *cache-op time*;
-throughput is prompt tokens (and requests) per second of it. Generating the trace and
-stepping through its timeline are not counted.
-
-In the same process, on the same trace, the benchmark also replays the baselines: no cache
-(every prompt token is prefilled; only the allocator runs), each eviction policy at the given
-capacity, and a cache large enough never to evict (the upper bound on the hit rate at any
-capacity). Every policy's hit rate is also given as a share of Belady's MIN on the same request
-order at the same capacity (:mod:`minirad.bench.optimal`): the best any eviction order can do.
-
-Memory: each run's peak pool occupancy, the most KV slots handed out at once
-(:attr:`TokenToKVPoolAllocator.peak_used_size`), in tokens and as a share of the pool. The
-tree's cached slots count as used (vLLM's "KV cache usage" counts free cached blocks as free):
-a cache keeps what it may reuse, so with a prefix cache the pool fills up to its capacity;
-without one it peaks at what the running requests hold.
-
-Reading the results. On this multi-turn chat trace ``lru`` and ``fifo`` evict (nearly) the
-same tokens: an unlocked leaf is usually the tail of an idle conversation, and the insert that
-created it (when the conversation's last turn finished) also touched its whole path, so "least
-recently used" and "oldest" both mean "the conversation idle the longest". They part once
-eviction reaches inner nodes, whose creation and last access differ; other traces (shorter
-system prompts, tighter memory) show small differences.
-``lfu`` does worse here: every tail has ``hit_count`` 0 (it has never been matched) while
-the prefixes above it have been hit, so lfu strips the latest turn off *every* idle
-conversation, including those that just answered and are likeliest to come back, before it
-drops any older prefix.
-
-How far from the optimum (``% of MIN``). At 10% of the unique tokens (``--capacity-frac 0.1``)
-LRU gets about 82% of MIN on this trace. MIN knows two things LRU does not: which
-conversations are over, and when each open one comes back. The first a server can know (the
-client closes its session; SGLang has ``close_session``): ``lru-closed``
-(:class:`~minirad.kvcache.eviction.ClosedSessionLRUPolicy`) evicts closed sessions first and gets
-about 93%. The rest is the return time, which no online policy has here: think times are
-exponential, so how long a conversation has been idle says nothing about when it returns.
-A scheduling order such as SGLang's longest-prefix-first needs a waiting queue to reorder:
-by default there is none (every request is admitted when it arrives; the pool always fits the
-running requests), see "The queue".
-
-The queue (``max_running``, ``--max-running``). A server that runs at most ``max_running``
-requests at once; an arrival that finds it full waits. Whenever a request arrives or finishes,
-waiting requests are admitted in the ``schedule`` order while there is room: ``fcfs``, arrival
-order, or ``lpm``, longest cached prefix first (ties by arrival), SGLang's ``--schedule-policy``
-names, as our engine's scheduler (``minirad/engine/scheduler.py``) does it: the waiting queue is
-matched against the tree (``match_prefix``) and sorted once per admission round. Unlike SGLang
-and the engine, lpm does not fall back to fcfs above 128 waiting requests. Memory gates
-admission too: the running requests' ``prompt + output`` (whole pages) must fit in the pool,
-else the head of the queue waits for a finish (head of line, as the engine). Timing:
-
-- A request runs ``len(output)`` time units from its admission, as in the trace (one decode
-  step per token, whatever the batch size; prefill takes no time).
-- Closed loop: a conversation's first turn arrives at its trace time; each later turn arrives
-  its trace think time after its previous turn *actually* finished (its trace start plus how
-  late the previous turn finished). So a slow server also slows its users' next turns, and a
-  cap that never binds reproduces the trace's timeline exactly.
-
-The order that ran comes back as :attr:`ReplayResult.ran`, a :class:`ChatTrace` whose ``start``
-events are admissions; :func:`~minirad.bench.optimal.belady` on it is the optimum for that run
-(a scheduler that reorders changes the order, and with it the optimum). The cost of queueing is
-:attr:`ReplayResult.mean_queue_delay` and :attr:`ReplayResult.makespan`, in decode steps: a cap
-small enough to overload the server can get close to MIN, but its users wait. Cache-op time
-includes lpm's matches of the waiting queue.
+Each request goes through the cache as SGLang's scheduler drives it (match and lock, evict and
+allocate, insert and unlock when it finishes); only those calls are timed. In the same run, on
+the same trace, it replays the baselines that make a hit rate mean something: no cache, each
+eviction policy, an infinite cache, and Belady's MIN on the same request order; an optional
+waiting queue (``--max-running``, ``--schedule``) shows what a scheduler adds. How it is
+measured and how to read the results: ``docs/benchmarks.md``, "The radix cache on a chat trace".
 """
 
 from __future__ import annotations

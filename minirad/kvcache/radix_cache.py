@@ -28,8 +28,6 @@ import numbers
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, count
-from operator import ne
 from typing import NamedTuple
 
 import numpy as np
@@ -48,6 +46,7 @@ from minirad.events import (
 )
 from minirad.kvcache.eviction import EvictionPolicy, get_policy
 from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.radix_events import RadixEventsMixin
 from minirad.kvcache.tokens import checked_token_ids
 
 __all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
@@ -65,9 +64,9 @@ _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
 def _as_slots(slots: Sequence[int], name: str) -> tuple[list[int], np.ndarray]:
-    """``slots`` as a list and as an int64 array of the same ids, viewing the array that
-    validation builds (numpy's own conversion of a list cost ~100 ns a slot, a third of
-    noreuse). Ids of 2**63 or more become negative, which every range check refuses.
+    """``slots`` as a list and as an int64 array of the same ids. The array views the one that
+    validation builds: numpy's own conversion of a list is much slower. Ids of 2**63 or more
+    become negative, which every range check refuses.
 
     Raises:
         InvalidKeyError: a slot is not an int >= 0.
@@ -233,7 +232,7 @@ class Req:
         return c[2], c[3]
 
 
-class RadixCache:
+class RadixCache(RadixEventsMixin):
     """SGLang's radix prefix cache over token ids.
 
     Args:
@@ -246,7 +245,8 @@ class RadixCache:
             (``evict`` then only returns the slots).
         bus: event bus (logical clock + subscribers); a private one if None.
 
-    Sizes (``evictable_size()`` etc.) are in tokens.
+    Sizes (``evictable_size()`` etc.) are in tokens. The public methods check their arguments;
+    the private ones trust them.
     """
 
     def __init__(
@@ -278,9 +278,8 @@ class RadixCache:
         self.protected_size_ = 0
         self.evictable_leaves: set[TreeNode] = set()
         # A heap of (priority, id, seq, node) over the evictable leaves, kept between calls.
-        # Entries go stale when a leaf is locked, deleted or touched; evict() skips those (it
-        # recomputes the priority), and every change pushes a fresh entry. Rebuilding the heap
-        # on every call, as SGLang does, costs O(leaves) per eviction.
+        # Entries go stale when a leaf is locked, deleted or touched; evict() skips those, and
+        # every change pushes a fresh entry. (SGLang rebuilds a heap of all leaves per call.)
         self._evict_heap: list[tuple[tuple, int, int, TreeNode]] = []
         self._push_count = 0
         self._next_sim_slot = 0  # slots handed out by insert(value=None)
@@ -303,9 +302,7 @@ class RadixCache:
         if self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free_evicted(slots)
         self._init_tree()
-        t = self.bus.tick()
-        if self.bus.active:
-            self.bus.emit(ResetEvent(t, "radix_cache"))
+        self._record(ResetEvent, self.bus.tick())
 
     def _new_node(self, key, value, parent, time, extra_key=None) -> TreeNode:
         node = TreeNode(self._next_id, key, value, parent, time, extra_key)
@@ -316,56 +313,109 @@ class RadixCache:
         ck = key[i] if self.page_size == 1 else tuple(key[i : i + self.page_size])
         return ck if extra_key is None else (extra_key, ck)
 
-    def _match_len(self, child: TreeNode, key: list[int], buf: array | None, i: int) -> int:
-        """Length of the common prefix of ``child.key`` and ``key[i:]``, rounded down to a
-        page (``buf``: ``key`` as an array, or None)."""
-        edge, edge_buf = child.key, child.key_buf
-        n = min(len(edge), len(key) - i)
-        if buf is not None and edge_buf is not None:
-            # Arrays compare with memcmp: matching took 15% of chat as list compares.
-            if buf[i : i + n] == (edge_buf if n == len(edge) else edge_buf[:n]):
-                m = n
-            else:  # bisect for the first difference: O(log n) memcmps
-                m, hi = 0, n
-                while hi - m > 1:
-                    mid = (m + hi) // 2
-                    if buf[i + m : i + mid] == edge_buf[m:mid]:
-                        m = mid
-                    else:
-                        hi = mid
-        else:
-            part = key[i : i + n]
-            if part == (edge if n == len(edge) else edge[:n]):
-                m = n
-            else:  # the first differing position, found in C (a Python loop: ~50 ns a token)
-                m = next(compress(count(), map(ne, edge, part)))
-        return m - m % self.page_size
-
     def _aligned(self, key: list[int]) -> list[int]:
         cut = len(key) % self.page_size
         return key[: len(key) - cut] if cut else key  # no copy of an aligned key
 
-    # ------------------------------------------------------------------ match / insert
+    # ------------------------------------------------------------------ match
     def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
         """Find the longest cached prefix of ``key`` (cut to whole pages).
 
         Mutates the tree like SGLang: a match that ends inside an edge splits that node, so
         the returned ``last_node`` ends exactly at the matched prefix; every node on the path
-        gets the current time and one more ``hit_count``.
-
-        Args:
-            key: token ids, ``len(key)`` tokens.
-            extra_key: namespace; keys with different extra keys never share nodes.
+        gets the current time and one more ``hit_count``. ``extra_key`` is a namespace: keys
+        with different extra keys never share nodes.
 
         Returns:
             ``MatchResult(indices, last_node)``: ``len(indices)`` matched tokens' slots.
 
         Raises:
-            InvalidKeyError: a token id is negative or not an int.
+            InvalidKeyError: a token id is negative or not an int, or a bad ``extra_key``.
         """
         key, buf = checked_token_ids(key, "key")
         _check_extra_key(extra_key)
-        return self._match_prefix(key, buf, extra_key)
+        return self._match(self._aligned(key), buf, extra_key, hit=True)
+
+    def _match(self, key: list[int], buf: array | None, extra_key, hit: bool) -> MatchResult:
+        """:meth:`match_prefix` of an aligned, checked key (``buf``: the same ids as an
+        ``array("Q")``, or None). ``hit=False``: a request's own re-match after an insert (no
+        hit counted, no event)."""
+        t = self.bus.tick()
+        walked, _, cut = self._walk(key, buf, extra_key)
+        node = self._visit(walked, cut, t, hit)
+        indices: list[int] = []
+        for n in walked:  # list += copies in C
+            indices += n.value
+        if hit:
+            self._record(MatchEvent, t, walked, len(indices), len(key), extra_key)
+        return MatchResult(indices, node)
+
+    def _walk(self, key: list[int], buf: array | None, extra_key) -> tuple[list, int, int]:
+        """Follow ``key`` down from the root; changes nothing (the walk of match and insert).
+
+        Returns the nodes walked (root excluded), how many tokens of ``key`` they match, and
+        ``cut``: how far into its edge the match reaches the last node when it ends inside
+        that edge (else 0).
+        """
+        walked: list[TreeNode] = []
+        node, i, n = self.root_node, 0, len(key)
+        simple = self.page_size == 1 and extra_key is None  # the child key is the token itself
+        while i < n:
+            child = node.children.get(key[i] if simple else self._child_key(key, i, extra_key))
+            if child is None:
+                break
+            walked.append(child)
+            # Arrays compare with memcmp, lists item by item: use arrays where both exist.
+            fast = buf is not None and child.key_buf is not None
+            seq, edge = (buf, child.key_buf) if fast else (key, child.key)
+            end = i + len(edge)
+            if end <= n and seq[i:end] == edge:  # the whole edge matches: next node
+                node, i = child, end
+                continue
+            # It ends inside the edge: bisect for the first difference (log n slice compares).
+            lo, hi = 0, min(len(edge), n - i) + 1  # edge[:lo] matches, edge[:hi] does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if seq[i + lo : i + mid] == edge[lo:mid] else (lo, mid)
+            m = lo - lo % self.page_size  # >= one page: the child key matched
+            return walked, i + m, m
+        return walked, i, 0
+
+    def _visit(self, walked: list[TreeNode], cut: int, t: int, hit: bool) -> TreeNode:
+        """Touch a walk's nodes at time ``t``, split its last node at ``cut`` (in place in
+        ``walked``), count a hit on each if ``hit``; return the node that ends the walk (the
+        root when ``walked`` is empty)."""
+        self.root_node.last_access_time = t
+        for n in walked:
+            n.last_access_time = t
+        if cut:
+            walked[-1] = self._split_node(walked[-1], cut, t)
+        for n in walked if hit else ():
+            n.hit_count += 1
+        node = walked[-1] if walked else self.root_node
+        if node in self.evictable_leaves:  # its priority changed (access time, hit count)
+            self._push_evictable(node)
+        return node
+
+    def _split_node(self, child: TreeNode, m: int, t: int) -> TreeNode:
+        """Cut ``parent -> child`` into ``parent -> new -> child`` after ``m`` tokens; return
+        ``new``. No KV moves: the slots are divided between the two edges. ``new`` keeps the
+        id, times, hits and ``lock_ref`` (so the size sums hold); ``child`` gets a new id."""
+        new = TreeNode(child.id, child.key[:m], child.value[:m], child.parent, t, child.extra_key)
+        new.lock_ref, new.hit_count = child.lock_ref, child.hit_count
+        new.creation_time, new.last_access_time = child.creation_time, child.last_access_time
+        if child.key_buf is not None:
+            new.key_buf, child.key_buf = child.key_buf[:m], child.key_buf[m:]
+        new.value_buf, child.value_buf = child.value_buf[:m], child.value_buf[m:]
+        child.id = self._next_id
+        self._next_id += 1
+        if child in self.evictable_leaves:  # its id, part of its priority, changed
+            self._push_evictable(child)
+        child.parent.children[self._child_key(child.key, 0, child.extra_key)] = new
+        child.key, child.value, child.parent = child.key[m:], child.value[m:], new
+        new.children = {self._child_key(child.key, 0, child.extra_key): child}
+        self._record(SplitEvent, t, new, child, m)
+        return new
 
     def cached_prefix_len(self, key: Sequence[int], extra_key: str | None = None) -> int:
         """Tokens of ``key`` the tree holds (whole pages), read without changing the tree: no
@@ -376,206 +426,91 @@ class RadixCache:
         """
         key, buf = checked_token_ids(key, "key")
         _check_extra_key(extra_key)
-        return self._tree_walk(self._aligned(key), buf, extra_key)[1]
+        return self._walk(self._aligned(key), buf, extra_key)[1]
 
-    def _match_prefix(
-        self, key: list[int], buf: array | None, extra_key: str | None
-    ) -> MatchResult:
-        key = self._aligned(key)
-        t = self.bus.tick()
-        indices, node, walked = self._match(key, buf, extra_key, t, count_hit=True)
-        if self.bus.active:
-            path = tuple(n.id for n in walked)
-            self.bus.emit(MatchEvent(t, path, len(indices), len(key), extra_key))
-        return MatchResult(indices, node)
-
-    def _match(self, key: list[int], buf: array | None, extra_key, t: int, count_hit: bool):
-        walked, _, cut = self._tree_walk(key, buf, extra_key)
-        node = self._visit(walked, cut, t, count_hit)
-        indices: list[int] = []
-        for n in walked:  # list extends copy in C: a per-token comprehension was 9% of chat
-            indices += n.value
-        return indices, node, walked
-
-    def _tree_walk(
-        self, key: list[int], buf: array | None, extra_key
-    ) -> tuple[list[TreeNode], int, int]:
-        """The one walk of match and insert (mini-sglang's ``_tree_walk``); changes nothing.
-        ``buf``: ``key`` as an ``array("Q")``, or None. Returns the nodes walked (root
-        excluded), how many tokens of ``key`` they match, and where the match leaves the last
-        node's edge (0: at its end)."""
-        walked: list[TreeNode] = []
-        node, i, n = self.root_node, 0, len(key)
-        simple = self.page_size == 1 and extra_key is None  # the child key is the token
-        while i < n:
-            child = node.children.get(key[i] if simple else self._child_key(key, i, extra_key))
-            if child is None:
-                break
-            walked.append(child)
-            end = i + len(child.key)
-            # The common case, the whole edge matches, inline: one call less per node (~5%).
-            if end <= n and (
-                buf[i:end] == child.key_buf
-                if buf is not None and child.key_buf is not None
-                else key[i:end] == child.key
-            ):
-                node, i = child, end
-                continue
-            m = self._match_len(child, key, buf, i)  # >= one page: the child key matched
-            return walked, i + m, m
-        return walked, i, 0
-
-    def _visit(self, walked: list[TreeNode], cut: int, t: int, count_hit: bool) -> TreeNode:
-        """Touch a walk's nodes at time ``t`` and split its last node at ``cut`` (in place in
-        ``walked``); return the node that ends the walk (the root when ``walked`` is empty)."""
-        self.root_node.last_access_time = t
-        for n in walked:
-            n.last_access_time = t
-        if cut:
-            walked[-1] = self._split_node(walked[-1], cut, t)
-        for n in walked if count_hit else ():
-            n.hit_count += 1
-        node = walked[-1] if walked else self.root_node
-        if node in self.evictable_leaves:  # its priority changed (access time, hit count)
-            self._push_evictable(node)
-        return node
-
-    def _split_node(self, child: TreeNode, m: int, t: int) -> TreeNode:
-        """Cut ``parent -> child`` into ``parent -> new -> child`` after ``m`` tokens; return
-        ``new``. No KV moves: the slots are just divided between the two edges, and ``new``
-        copies ``lock_ref`` so the evictable/protected sums are unchanged."""
-        parent = child.parent
-        new = TreeNode(child.id, child.key[:m], child.value[:m], parent, t, child.extra_key)
-        new.lock_ref = child.lock_ref
-        new.hit_count = child.hit_count
-        new.creation_time = child.creation_time
-        new.last_access_time = child.last_access_time
-        if child.key_buf is not None:
-            new.key_buf, child.key_buf = child.key_buf[:m], child.key_buf[m:]
-        new.value_buf, child.value_buf = child.value_buf[:m], child.value_buf[m:]
-        child.id = self._next_id
-        self._next_id += 1
-        if child in self.evictable_leaves:  # its id, part of its priority, changed
-            self._push_evictable(child)
-        parent.children[self._child_key(child.key, 0, child.extra_key)] = new
-        child.key = child.key[m:]
-        child.value = child.value[m:]
-        child.parent = new
-        new.children = {self._child_key(child.key, 0, child.extra_key): child}
-        if self.bus.active:
-            self.bus.emit(SplitEvent(t, new.id, child.id, m))
-        return new
-
+    # ------------------------------------------------------------------ insert
     def insert(
         self, key: Sequence[int], value: Sequence[int] | None = None, extra_key: str | None = None
     ) -> int:
-        """Add ``key`` (cut to whole pages) with its KV slots ``value``.
+        """Add ``key`` (cut to whole pages) with its KV slots ``value``; return ``prefix_len``,
+        how many leading tokens of the (aligned) key were already cached.
 
         The tree keeps the slots it already has for the cached prefix; the caller still owns
         (and must free) its own slots ``value[:prefix_len]`` when they differ from the tree's.
-        Only the new tail becomes a leaf, with slots ``value[prefix_len:]``.
+        Only the new tail becomes a leaf, with slots ``value[prefix_len:]``. ``value=None``
+        (only without an allocator) gives the new tokens fresh simulated slots 0, 1, 2...
+        (SGLang uses the token ids, which would let a repeated token own one slot twice).
 
-        Args:
-            key: token ids.
-            value: one KV slot per token. None (only without an allocator) gives the new tokens
-                fresh simulated slot numbers 0, 1, 2...; SGLang uses the token ids themselves,
-                which would let a repeated token own one slot twice.
-            extra_key: namespace, as in :meth:`match_prefix`.
-
-        Returns:
-            ``prefix_len``: how many leading tokens of the (aligned) key were already cached.
-
-        Raises:
+        Raises (every check runs before anything changes):
             InvalidKeyError: bad token ids or slots, ``len(value) != len(key)``, new slots
                 that the tree already owns or that are not whole pages.
             UnknownBlockError: new slots that the allocator has not handed out.
-            Every check runs before anything changes.
         """
         key, buf = checked_token_ids(key, "key")
         _check_extra_key(extra_key)
-        simulated = value is None
-        if simulated and self.token_to_kv_pool_allocator is not None:
+        slots = None
+        if value is not None:
+            value, slots = _as_slots(value, "value")
+            if len(value) != len(key):
+                raise InvalidKeyError(f"value has {len(value)} slots for {len(key)} tokens")
+        elif self.token_to_kv_pool_allocator is not None:
             raise InvalidArgumentError(
                 "insert needs the slots (value) when the cache has an allocator"
             )
-        value, slots = ([-1] * len(key), None) if simulated else _as_slots(value, "value")
-        if len(value) != len(key):
-            raise InvalidKeyError(f"value has {len(value)} slots for {len(key)} tokens")
-        return self._insert(key, buf, value, slots, extra_key, simulated)
+        return self._insert(self._aligned(key), buf, value, slots, extra_key)
 
-    def _insert(
-        self,
-        key: list[int],
-        buf: array | None,
-        value: list[int],
-        slots: np.ndarray | None,
-        extra_key: str | None,
-        simulated: bool = False,
-        slots_checked: bool = False,
-    ) -> int:
-        """:meth:`insert` on validated ids (SGLang's ``_insert_helper``). ``buf``: ``key`` as
-        an array (or None); ``value`` (at least as long as ``key``) as a list and as an int64
-        array ``slots`` (None: simulated); ``slots_checked``: the caller has already asked the
-        allocator about them."""
-        key = self._aligned(key)
+    def _insert(self, key, buf, value, slots, extra_key, allocated: bool = False) -> int:
+        """:meth:`insert` of an aligned, checked key (SGLang's ``_insert_helper``): ``value``
+        (at least as long as ``key``; None: simulated) as a list and as the int64 array
+        ``slots``; ``allocated``: the allocator has already vouched for them."""
+        walked, i, cut = self._walk(key, buf, extra_key)
         n = len(key)
-        walked, i, cut = self._tree_walk(key, buf, extra_key)
-        if i < n:  # bad slots are rejected before the walk splits anything
-            if simulated:
-                slots = np.arange(self._next_sim_slot, self._next_sim_slot + n - i)
-                self._next_sim_slot += n - i
-            else:
-                slots = slots[i:n]
-            self._check_new_slots(slots, simulated, slots_checked)
+        if i < n:  # the new slots, checked before the split below changes the tree
+            value, slots = self._new_slots(value, slots, i, n, allocated)
         t = self.bus.tick()
-        node = self._visit(walked, cut, t, count_hit=False)
+        node = self._visit(walked, cut, t, hit=False)
         leaf = None
         if i < n:
-            new_value = slots.tolist() if simulated else value[i:n]
-            leaf = self._new_node(key[i:], new_value, node, t, extra_key)
+            leaf = self._new_node(key[i:], value, node, t, extra_key)
             leaf.key_buf = buf[i:n] if buf is not None else None
-            leaf.value_buf = slots.copy()  # its own memory, not a view of the whole value
+            leaf.value_buf = slots
             node.children[self._child_key(key, i, extra_key)] = leaf
             self.evictable_size_ += n - i
             self._owned[slots] = True
             self.evictable_leaves.discard(node)
             self._add_evictable(leaf)
-        if self.bus.active:
-            self.bus.emit(
-                InsertEvent(
-                    t,
-                    tuple(n.id for n in walked),
-                    i,
-                    leaf.id if leaf else None,
-                    node.id if leaf else None,
-                    tuple(leaf.key) if leaf else (),
-                    tuple(leaf.value) if leaf else (),
-                    extra_key,
-                )
-            )
+        self._record(InsertEvent, t, walked, i, node, leaf, extra_key)
         return i
 
-    def _check_new_slots(self, slots: np.ndarray, simulated: bool, slots_checked: bool) -> None:
-        """Slots for new leaves: in range, distinct, not the tree's already, handed out by the
-        allocator (unless ``slots_checked``), whole pages."""
-        alloc = self.token_to_kv_pool_allocator
+    def _new_slots(self, value, slots, i: int, n: int, allocated: bool) -> tuple[list, np.ndarray]:
+        """The slots of a new leaf for tokens ``i:n`` (fresh ones when ``value`` is None), as
+        a list and an array of their own; raise if the tree may not take them: out of range,
+        repeated, the tree's already, not handed out by the allocator (unless ``allocated``),
+        not whole pages."""
+        alloc, simulated = self.token_to_kv_pool_allocator, value is None
+        if simulated:
+            slots = np.arange(self._next_sim_slot, self._next_sim_slot + n - i)
+            self._next_sim_slot += n - i
+            value = slots.tolist()
+        else:  # the leaf's own array: a part would keep the whole one alive
+            value, slots = value[i:n], slots if i == 0 and n == len(slots) else slots[i:n].copy()
         limit = alloc.size if alloc is not None else MAX_SIMULATED_SLOT
-        ordered = slots.copy()  # one C sort gives the range and the repeats (np.sort would
-        ordered.sort()  # add a Python wrapper)
+        ordered = slots.copy()  # one sort gives the range and the repeats (in place: np.sort
+        ordered.sort()  # adds a Python wrapper)
         lo, hi = int(ordered[0]), int(ordered[-1])
         if lo < 0 or hi >= limit:
-            raise InvalidKeyError(
-                f"slot {(hi if lo >= 0 else lo) % 2**64} is out of range (< {limit})"
-            )
+            bad = (hi if lo >= 0 else lo) % 2**64
+            raise InvalidKeyError(f"slot {bad} is out of range (< {limit})")
         if hi >= len(self._owned):
             self._grow_owned(hi + 1)
-        # count_nonzero is C; ndarray.any() goes through a Python wrapper (~1 us a call).
+        # count_nonzero runs in C; ndarray.any() goes through a Python wrapper.
         if np.count_nonzero(ordered[1:] == ordered[:-1]) or np.count_nonzero(self._owned[slots]):
             raise InvalidKeyError("insert would give the tree a slot it already owns")
-        if alloc is not None and not slots_checked and not alloc.are_allocated(slots):
+        if alloc is not None and not allocated and not alloc.are_allocated(slots):
             alloc.check_allocated(slots)  # raises why not
         if self.page_size > 1 and not simulated:
             self._check_whole_pages(slots)
+        return value, slots
 
     def _grow_owned(self, size: int) -> None:
         if size > len(self._owned):  # only without an allocator: slot ids are unbounded
@@ -609,35 +544,36 @@ class RadixCache:
         """
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        self.bus.tick()
-        heap = self._evict_heap
+        t = self.bus.tick()
         freed: list[int] = []
-        bufs = []
-        while len(freed) < num_tokens and heap:
-            if not self._is_current(heap[0]):  # locked, deleted or touched since its push
-                _, _, seq, node = heapq.heappop(heap)
-                # A leaf's latest entry gone stale: its priority changed behind the cache's
-                # back (a policy's own state, ClosedSessionLRUPolicy.close): rank it again.
-                if seq == node.heap_seq and node in self.evictable_leaves:
-                    self._push_evictable(node)
-                continue
-            x = heapq.heappop(heap)[3]
-            freed += x.value
-            bufs.append(x.value_buf)
-            self._delete_leaf(x)  # pushes the parent if it became an evictable leaf
-            if self.bus.active:
-                self.bus.emit(EvictEvent(self.bus.time, x.id, len(x.value), tuple(x.value)))
-        if not bufs:
-            return freed
-        # One registry update for the whole eviction, from the leaves' arrays: converting the
-        # freed list instead read every slot's (scattered) int object, ~20 us an eviction.
-        slots = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
-        self._owned[slots] = False
-        if self.token_to_kv_pool_allocator is not None:
-            # The allocator's free() refuses the tree's slots to everyone else, so these are
-            # still allocated and distinct: it skips free()'s checks.
-            self.token_to_kv_pool_allocator.free_evicted(slots)
+        victims: list[TreeNode] = []
+        while len(freed) < num_tokens and (leaf := self._pop_evictable()) is not None:
+            freed += leaf.value
+            victims.append(leaf)
+            self._delete_leaf(leaf)  # its parent may become an evictable leaf
+            self._record(EvictEvent, t, leaf)
+        if victims:  # one registry update for all victims, from their arrays
+            bufs = [v.value_buf for v in victims]
+            slots = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
+            self._owned[slots] = False
+            if self.token_to_kv_pool_allocator is not None:
+                # Still allocated and distinct (the allocator refuses the tree's slots to
+                # everyone else): free_evicted() skips free()'s checks.
+                self.token_to_kv_pool_allocator.free_evicted(slots)
         return freed
+
+    def _pop_evictable(self) -> TreeNode | None:
+        """Take the leaf the policy evicts first off the heap (None if there is none). Stale
+        entries (locked, deleted or touched since their push) are dropped; a leaf whose
+        priority changed behind the cache's back (a policy's own state) is ranked again."""
+        heap = self._evict_heap
+        while heap:
+            key, _, seq, node = heapq.heappop(heap)
+            if seq == node.heap_seq and node in self.evictable_leaves:
+                if self.eviction_policy.priority(node) == key:
+                    return node
+                self._push_evictable(node)
+        return None
 
     def _add_evictable(self, node: TreeNode) -> None:
         self.evictable_leaves.add(node)
@@ -655,10 +591,6 @@ class RadixCache:
             rank = self.eviction_policy.priority
             heap[:] = [(rank(n), n.id, n.heap_seq, n) for n in self.evictable_leaves]
             heapq.heapify(heap)
-
-    def _is_current(self, entry: tuple) -> bool:
-        key, _, _, node = entry
-        return node in self.evictable_leaves and self.eviction_policy.priority(node) == key
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
@@ -701,9 +633,7 @@ class RadixCache:
                 delta -= len(n.key)
                 self.evictable_leaves.discard(n)
             n.lock_ref += 1
-        t = self.bus.tick()
-        if self.bus.active and path:
-            self.bus.emit(LockEvent(t, tuple(n.id for n in path), tuple(n.lock_ref for n in path)))
+        self._record(LockEvent, self.bus.tick(), path)
         return delta
 
     def dec_lock_ref(self, node: TreeNode) -> int:
@@ -729,11 +659,7 @@ class RadixCache:
                 delta += len(n.key)
                 if not n.children:
                     self._add_evictable(n)
-        t = self.bus.tick()
-        if self.bus.active and path:
-            self.bus.emit(
-                UnlockEvent(t, tuple(n.id for n in path), tuple(n.lock_ref for n in path))
-            )
+        self._record(UnlockEvent, self.bus.tick(), path)
         return delta
 
     # ------------------------------------------------------------------ sizes
@@ -796,7 +722,7 @@ class RadixCache:
         cap = max(len(fill) - 1, 0)
         if max_prefix_len is not None:
             cap = min(cap, max_prefix_len)
-        indices, node = self._match_prefix(fill[:cap], buf, req.extra_key)
+        indices, node = self._match(self._aligned(fill[:cap]), buf, req.extra_key, hit=True)
         self._hold(req, node, indices, list(indices))
         return indices
 
@@ -838,11 +764,9 @@ class RadixCache:
         """
         token_ids, buf, kv, slots = self._check_req(req)
         n = len(token_ids) - len(token_ids) % self.page_size
-        prefix_len = self._insert(token_ids[:n], buf, kv, slots, req.extra_key, slots_checked=True)
+        prefix_len = self._insert(token_ids[:n], buf, kv, slots, req.extra_key, allocated=True)
         self._free(kv[req.cache_protected_len : prefix_len])
-        new_indices, new_node, _ = self._match(
-            self._aligned(token_ids), buf, req.extra_key, self.bus.tick(), count_hit=False
-        )
+        new_indices, new_node = self._match(token_ids[:n], buf, req.extra_key, hit=False)
         kv[: len(new_indices)] = new_indices
         self._hold(req, new_node, new_indices, kv)
 
@@ -865,9 +789,7 @@ class RadixCache:
         n = prefix_len = req.cache_protected_len
         if is_insert:
             n = len(token_ids) - len(token_ids) % self.page_size
-            prefix_len = self._insert(
-                token_ids[:n], buf, kv, slots, req.extra_key, slots_checked=True
-            )
+            prefix_len = self._insert(token_ids[:n], buf, kv, slots, req.extra_key, allocated=True)
         self._free(kv[req.cache_protected_len : prefix_len] + kv[n:])
         self._hold(req, None, [], [])
 
@@ -907,14 +829,9 @@ class RadixCache:
         no slot owned twice (and none free in the allocator); ``lock_ref`` of a parent at least
         the sum of its children's; evictable/protected sizes; the evictable-leaf set.
         """
-
-        def fail(msg: str) -> None:
-            raise InvariantError(msg)
-
-        alloc = self.token_to_kv_pool_allocator
         root = self.root_node
         if root.lock_ref != 1 or root.key or root.value or root.parent is not None:
-            fail("root must have lock_ref 1, an empty key/value and no parent")
+            raise InvariantError("root must have lock_ref 1, an empty key/value and no parent")
         seen: list[int] = []
         evictable = protected = 0
         leaves = set()
@@ -925,27 +842,9 @@ class RadixCache:
             # real nodes must cover their children's locks.
             locks_below = sum(c.lock_ref for c in node.children.values())
             if node is not root and locks_below > node.lock_ref:
-                fail(f"node {node.id}: children hold more locks than the node")
+                raise InvariantError(f"node {node.id}: children hold more locks than the node")
             for ck, child in node.children.items():
-                if child.parent is not node:
-                    fail(f"node {child.id}: parent link broken")
-                if ck != self._child_key(child.key, 0, child.extra_key):
-                    fail(f"node {child.id}: stored under child key {ck!r}")
-                if not child.key or len(child.key) != len(child.value):
-                    fail(f"node {child.id}: key/value lengths {len(child.key)}/{len(child.value)}")
-                if len(child.key) % self.page_size:
-                    fail(f"node {child.id}: key length {len(child.key)} is not whole pages")
-                if self.page_size > 1:
-                    try:
-                        self._check_whole_pages(np.asarray(child.value, dtype=np.int64))
-                    except InvalidKeyError as e:
-                        fail(f"node {child.id}: {e}")
-                if child.lock_ref < 0:
-                    fail(f"node {child.id}: negative lock_ref")
-                if child.value_buf.tolist() != child.value or (
-                    child.key_buf is not None and child.key_buf.tolist() != child.key
-                ):
-                    fail(f"node {child.id}: key_buf/value_buf differ from key/value")
+                self._check_node(node, ck, child)
                 seen += child.value
                 if child.lock_ref:
                     protected += len(child.key)
@@ -954,6 +853,40 @@ class RadixCache:
                     if not child.children:
                         leaves.add(child)
                 stack.append(child)
+        self._check_totals(seen, evictable, protected, leaves)
+
+    def _check_node(self, parent: TreeNode, ck, child: TreeNode) -> None:
+        """One node's own invariants (see :meth:`check_invariants`)."""
+
+        def fail(msg: str) -> None:
+            raise InvariantError(f"node {child.id}: {msg}")
+
+        if child.parent is not parent:
+            fail("parent link broken")
+        if ck != self._child_key(child.key, 0, child.extra_key):
+            fail(f"stored under child key {ck!r}")
+        if not child.key or len(child.key) != len(child.value):
+            fail(f"key/value lengths {len(child.key)}/{len(child.value)}")
+        if len(child.key) % self.page_size:
+            fail(f"key length {len(child.key)} is not whole pages")
+        if self.page_size > 1:
+            try:
+                self._check_whole_pages(np.asarray(child.value, dtype=np.int64))
+            except InvalidKeyError as e:
+                fail(str(e))
+        if child.lock_ref < 0:
+            fail("negative lock_ref")
+        if child.value_buf.tolist() != child.value or (
+            child.key_buf is not None and child.key_buf.tolist() != child.key
+        ):
+            fail("key_buf/value_buf differ from key/value")
+
+    def _check_totals(self, seen: list[int], evictable: int, protected: int, leaves: set) -> None:
+        """The tree-wide invariants, from the slots, sizes and leaves a walk counted."""
+
+        def fail(msg: str) -> None:
+            raise InvariantError(msg)
+
         if len(set(seen)) != len(seen):
             fail("a slot is owned by two nodes")
         if set(seen) != set(np.flatnonzero(self._owned).tolist()):
@@ -967,6 +900,7 @@ class RadixCache:
             fail("evictable-leaf set out of sync with the tree")
         if not leaves <= {e[3] for e in self._evict_heap if e[2] == e[3].heap_seq}:
             fail("an evictable leaf has no entry in the eviction heap")
+        alloc = self.token_to_kv_pool_allocator
         if alloc is not None and not all(alloc.is_allocated(s) for s in seen):
             fail("the tree owns a slot that the allocator thinks is free")
 
