@@ -482,27 +482,35 @@ def test_bad_requests_get_openai_error_bodies(url, case):
 
 
 @pytest.mark.parametrize(
-    ("content", "content_type", "endpoint", "said"),
+    ("content", "content_type", "endpoint", "said", "param"),
     [
-        (b'{"messages": [', "application/json", "chat/completions", "not valid JSON"),
-        (json.dumps(chat_body()).encode(), "text/plain", "chat/completions", "a JSON object"),
-        (b'{"prompt": [1, 3, 5]}', "application/json", "completions", "(id 3) and no image"),
+        (b'{"messages": [', "application/json", "chat/completions", "not valid JSON", None),
+        (json.dumps(chat_body()).encode(), "text/plain", "chat/completions", "a JSON object", None),
+        (
+            b'{"prompt": [1, 3, 5]}',
+            "application/json",
+            "completions",
+            "(id 3) and no image",
+            "prompt",
+        ),
         # Refused before it is tokenized (which took the engine thread 30 s for 20 MB).
         (
             json.dumps({"prompt": "a" * 2_000_000}).encode(),
             "application/json",
             "completions",
             "2,000,000 characters",
+            None,
         ),
     ],
 )
-def test_error_messages_say_what_is_wrong(url, content, content_type, endpoint, said):
-    """The messages a user reads: not pydantic's locations, not an arithmetic of counts."""
+def test_error_messages_say_what_is_wrong(url, content, content_type, endpoint, said, param):
+    """The messages a user reads: not pydantic's locations, not an arithmetic of counts; the
+    ``param`` is the field the message names first, when it names one."""
     headers = {"content-type": content_type}
     resp = httpx.post(f"{url}/v1/{endpoint}", content=content, headers=headers)
     assert resp.status_code == 400, resp.text
     assert said in resp.json()["error"]["message"]
-    assert resp.json()["error"]["param"] is None
+    assert resp.json()["error"]["param"] == param
 
 
 JSON = {"content-type": "application/json"}

@@ -277,9 +277,13 @@ class GrammarCompiler:
         trial = template.deep_copy()
         first = trial.compute_ff_tokens()[:1] or [_first_allowed(start)]
         if not trial.consume_token(first[0]) and trial.is_error():
-            raise GrammarError(
-                f"the {kind} is too complex to enforce: {_one_line(trial.get_error())}"
-            )
+            error = _one_line(trial.get_error())
+            if "forced bytes" in error:  # the text it forces has no spelling in our tokens
+                raise GrammarError(
+                    f"the {kind} forces text this model cannot write as text (a special "
+                    f"token's name, such as <|im_end|>, is not text): {error}"
+                )
+            raise GrammarError(f"the {kind} is too complex to enforce: {error}")
         return template
 
     def _ll_tokenizer(self, stop: tuple[int, ...]) -> llguidance.LLTokenizer:

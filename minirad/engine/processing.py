@@ -269,9 +269,10 @@ class InputProcessor:
             scale = size["shortest_edge"] / min(width, height)
             width, height = round(width * scale), round(height * scale)
         if width * height > self.max_processed_pixels:
+            resized = "" if (width, height) == image.size else f", {width}x{height} once resized,"
             raise ImageError(
-                f"a {image.size[0]}x{image.size[1]} image becomes {width}x{height} pixels in "
-                f"the model's processor, more than {self.max_processed_pixels:,}: crop it first"
+                f"a {image.size[0]}x{image.size[1]} image{resized} is more than "
+                f"{self.max_processed_pixels:,} pixels for the model's processor: crop it first"
             )
 
     def _expansion(self, expanded: list[int]) -> tuple[int, ...]:

@@ -10,6 +10,18 @@ from minirad.errors import RequestError
 __all__ = ["non_negative_float", "positive_int", "prompt_text", "sampling_arg"]
 
 
+def port(text: str) -> int:
+    """``argparse`` type: a TCP port, 1..65535.
+
+    Raises:
+        argparse.ArgumentTypeError: not an int, or out of range (argparse prints it, exits 2).
+    """
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """``argparse`` type: an int >= 1.
 

@@ -7,12 +7,16 @@ HTTP (vLLM's ``chat_utils`` has the same role).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from PIL import Image
 
 from minirad.engine.media import MediaFolder, decode_data_url, open_image
 from minirad.errors import ImageError, RequestError
+
+# A URL's scheme (RFC 3986: a letter, then letters, digits, "+", "-", "."), then "://".
+URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 __all__ = ["chat_prompt", "chat_template", "image_from_url"]
 
@@ -67,9 +71,11 @@ def image_from_url(url: str, media: MediaFolder) -> Image.Image:
         return open_image(decode_data_url(url), "in the data URL")
     if not url:
         raise ImageError("an image_url must not be empty: send a data: URL or a local path")
-    if url.startswith(("http://", "https://")):
+    scheme = URL_SCHEME.match(url)
+    if scheme and scheme[1].lower() != "file":  # http, https, ftp, s3...: never fetched
         raise ImageError(
-            "this server fetches no images over the network: send a data: URL or a local path"
+            f"this server fetches no images over the network ({scheme[0]}): send a data: URL"
+            " or a local path"
         )
     name = url.removeprefix("file://")
     return open_image(media.read(name), media.shown(name))

@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from minirad.engine.sampling_params import SamplingParams
-from minirad.entrypoints.argtypes import non_negative_float, positive_int, prompt_text, sampling_arg
+from minirad.entrypoints.argtypes import (
+    non_negative_float,
+    port,
+    positive_int,
+    prompt_text,
+    sampling_arg,
+)
 from minirad.entrypoints.chat_utils import chat_prompt
 from minirad.errors import (
     GrammarError,
@@ -752,7 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
         "that name)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    s.add_argument("--port", type=port, default=8000, help="port to listen on")
     s.add_argument(
         "--served-model-name",
         default=None,

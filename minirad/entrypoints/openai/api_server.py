@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -124,16 +125,34 @@ async def invalid_request(_: Request, exc: RequestValidationError) -> JSONRespon
     if first.get("type") == "invalid_text":  # _check_json: the message names the place
         where = first["ctx"]["where"]
         return error_response(400, first["msg"], "BadRequestError", where)
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None  # after "body"
-    message = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-        for e in errors
-    )
+    param = _field(first) or None
+    message = "; ".join(f"{_field(e) or 'body'}: {e.get('msg')}" for e in errors)
     return error_response(400, message or "invalid request", "BadRequestError", param)
 
 
+def _field(error: dict) -> str:
+    """The request field a validation error is about, as the client wrote it: its place after
+    ``body``, without the names pydantic gives the members of a union (``str``,
+    ``list[...]``, ``function-after[...]``)."""
+    loc = error.get("loc", ())[1:]
+    return ".".join(str(p) for p in loc if not isinstance(p, str) or not _TYPE_NAME.match(p))
+
+
+_TYPE_NAME = re.compile(r"^(str|int|float|bool|list|dict|none|[a-z-]+\[.*\])$")
+# The body fields a refusal may name first ("temperature must be ...", "logprobs is not ...").
+_FIELDS = frozenset(
+    set(ChatCompletionRequest.model_fields)
+    | set(CompletionRequest.model_fields)
+    | set(ChatCompletionRequest.UNSUPPORTED)
+    | set(CompletionRequest.UNSUPPORTED)
+)
+
+
 async def refused(_: Request, exc: MiniradError) -> JSONResponse:
-    return error_response(400, " ".join(str(exc).split()), "BadRequestError")
+    message = " ".join(str(exc).split())
+    named = message.split(" ", 1)[0]
+    param = getattr(exc, "param", None) or (named if named in _FIELDS else None)
+    return error_response(400, message, "BadRequestError", param)
 
 
 async def not_found(_: Request, exc: ModelNotFoundError) -> JSONResponse:
@@ -146,7 +165,10 @@ async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
         exc.status_code, "BadRequestError"
     )
-    response = error_response(exc.status_code, str(exc.detail), type_)
+    detail = str(exc.detail)
+    if detail == "There was an error parsing the body":  # e.g. bytes that are not UTF-8
+        detail = "the request body is not valid JSON (or not UTF-8)"
+    response = error_response(exc.status_code, detail, type_)
     response.headers.update(exc.headers or {})  # 405's Allow
     return response
 

@@ -201,9 +201,14 @@ class SamplingFields(_Body):
                 )
 
     def sampling_params(
-        self, max_tokens: int, defaults: Mapping[str, Any], eos: Sequence[int]
+        self,
+        max_tokens: int,
+        defaults: Mapping[str, Any],
+        eos: Sequence[int],
+        max_tokens_field: str = "max_tokens",
     ) -> SamplingParams:
-        """The engine's :class:`SamplingParams` for this request.
+        """The engine's :class:`SamplingParams` for this request (``max_tokens_field``: the
+        name the request gave ``max_tokens``, for the error).
 
         Raises:
             RequestError: an unsupported field or a value out of range.
@@ -211,7 +216,7 @@ class SamplingFields(_Body):
         """
         self.check_supported()
         if max_tokens < 1:  # said with the request's name for it (SamplingParams: max_new_tokens)
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+            raise RequestError(f"{max_tokens_field} must be >= 1, got {max_tokens}")
         if self.stop_token_ids is None and not self.ignore_eos:
             stop = None  # the engine's default: the model's EOS
         else:  # vLLM's stop_token_ids stop as well as EOS, not instead of it

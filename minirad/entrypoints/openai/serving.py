@@ -70,9 +70,10 @@ class OpenAIServing:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         prompt, images = await self.chat_prompt(body.messages)
-        max_tokens = body.max_completion_tokens
-        max_tokens = body.max_tokens if max_tokens is None else max_tokens
-        rid, stream = await self.submit(prompt, images, body, max_tokens)
+        max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, field = body.max_tokens, "max_tokens"
+        rid, stream = await self.submit(prompt, images, body, max_tokens, field)
         head = self._head(f"chatcmpl-{rid}", "chat.completion")
 
         def final_choice(i: int, out: RequestOutput) -> dict:
@@ -168,8 +169,10 @@ class OpenAIServing:
     # -------------------------------------------------------------------------------- helpers
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
+            shown = name if len(name) <= 100 else name[:100] + "..."
             raise ModelNotFoundError(
-                f"The model `{name}` does not exist. This server serves `{self.served_model_name}`."
+                f"The model `{shown}` does not exist. This server serves "
+                f"`{self.served_model_name}`."
             )
 
     async def chat_prompt(self, messages: Sequence[ChatMessage]) -> tuple[str, list]:
@@ -183,14 +186,20 @@ class OpenAIServing:
         return await self.async_engine.run_off_thread(render, what="reading the images")
 
     async def submit(
-        self, prompt, images: list, fields: SamplingFields, max_tokens: int | None
+        self,
+        prompt,
+        images: list,
+        fields: SamplingFields,
+        max_tokens: int | None,
+        max_tokens_field: str = "max_tokens",
     ) -> tuple[str, RequestStream]:
         """Queue the request's ``n`` choices as engine requests (vLLM's parallel sampling:
         ``{index}_{id}``, seeds ``seed + index``; the prompt's KV is shared through the radix
         tree); returns the API request's id and their outputs."""
         # No max_tokens: until the context is full (the engine stops there), as vLLM does.
         max_tokens = self.engine.max_model_len if max_tokens is None else max_tokens
-        params = fields.sampling_params(max_tokens, self.defaults, self.engine.eos_token_ids)
+        eos = self.engine.eos_token_ids
+        params = fields.sampling_params(max_tokens, self.defaults, eos, max_tokens_field)
         rid = uuid.uuid4().hex
         children = []
         for i in range(fields.n):
