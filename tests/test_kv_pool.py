@@ -194,3 +194,54 @@ def test_allocator_refuses_bools_and_numpy_floats_as_slots() -> None:
     alloc.free(np.array([3, 1]))  # integer arrays are fine
     got = alloc.alloc(2)
     assert got == [3, 1] and all(type(s) is int for s in got)  # FIFO, plain ints
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_allocator_free_queue_wraps_around_in_fifo_order(page_size: int) -> None:
+    """The free pages sit in a ring of fixed size: order holds across its end."""
+    alloc = TokenToKVPoolAllocator(5 * page_size, page_size)
+    a = alloc.alloc(3 * page_size)
+    b = alloc.alloc(2 * page_size)
+    alloc.free(a[page_size:])  # pages 1 and 2 at the ring's start
+    alloc.free(b)  # ... and pages 3, 4
+    alloc.free(a[:page_size])  # page 0 wraps around to the front
+    again = alloc.alloc(5 * page_size)  # the whole ring, wrapping
+    assert again == a[page_size:] + b + a[:page_size]
+    assert alloc.available_size() == 0 and all(type(s) is int for s in again)
+    alloc.free(again)
+    assert alloc.available_size() == 5 * page_size
+
+
+def test_allocator_hands_out_plain_ints_after_the_cache_held_numpy_ints() -> None:
+    alloc = TokenToKVPoolAllocator(4)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    slots = alloc.alloc(4)
+    cache.insert([1, 2, 3, 4], [np.int64(s) for s in slots])
+    assert cache.evict(4) == slots
+    assert all(type(s) is int for s in alloc.alloc(4))
+
+
+def test_reset_after_the_pool_was_cleared_frees_nothing_twice() -> None:
+    alloc = TokenToKVPoolAllocator(8)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    cache.insert([1, 2], alloc.alloc(2))
+    alloc.clear()
+    taken = alloc.alloc(8)  # someone else holds every slot now, the cache's old ones too
+    cache.reset()  # its slots went back with the clear: not freed again
+    assert alloc.available_size() == 0 and cache.total_size() == 0
+    alloc.free(taken)
+    cache.insert([1, 2], alloc.alloc(2))  # the reset cache works with the pool again
+    assert cache.evict(2) and alloc.available_size() == 8
+    cache.check_invariants()
+
+
+def test_evicting_from_a_pool_cleared_and_handed_out_again_frees_nothing() -> None:
+    alloc = TokenToKVPoolAllocator(4)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    cache.insert([1, 2], alloc.alloc(2))
+    alloc.clear()
+    taken = alloc.alloc(4)  # the cache's old slots belong to someone else now
+    with pytest.raises(UnknownBlockError):
+        cache.evict(2)
+    assert alloc.available_size() == 0  # nothing of theirs was freed
+    alloc.free(taken)

@@ -37,6 +37,10 @@ from minirad.events import AllocEvent, EventBus, FreeEvent, ResetEvent
 
 __all__ = ["KVCache", "TokenToKVPoolAllocator", "block_table_from_slots", "slot_mapping"]
 
+# The state of a page in ``TokenToKVPoolAllocator.page_state``. Allocated is 0: the radix
+# cache checks that new slots are all allocated with one count_nonzero.
+PAGE_ALLOCATED, PAGE_FREE, PAGE_CACHED = 0, 1, 2
+
 
 class KVCache:
     """The physical KV memory of a model: K and V for every layer, block and token slot.
@@ -178,8 +182,11 @@ class TokenToKVPoolAllocator:
             large for this machine's memory.
 
     Attributes:
-        cache_owned: ``[size]`` bool, set and cleared by the :class:`~minirad.RadixCache` over
-            this allocator for the slots it holds; :meth:`free` refuses them (at once).
+        page_state: ``[num_pages]`` uint8, each page ``PAGE_FREE``, ``PAGE_ALLOCATED`` or
+            ``PAGE_CACHED``: the :class:`~minirad.RadixCache` over this allocator moves the
+            pages it takes from allocated to cached, and :meth:`free` refuses those (at once).
+        generation: how many times :meth:`clear` ran; the cache compares it with the one it
+            started under before it frees what it evicts.
         peak_used_size: the most slots ever handed out at once since :meth:`clear`, in tokens
             (whole pages; the radix tree's cached slots count as used, whereas vLLM's "KV
             cache usage" counts free cached blocks as free).
@@ -195,10 +202,12 @@ class TokenToKVPoolAllocator:
         self.size, self.page_size = size, page_size
         self.num_pages = size // page_size
         self.bus = bus if bus is not None else EventBus()
+        self.generation = 0
         try:
-            self.cache_owned = np.zeros(size, dtype=bool)
-            # One int object per slot, handed out again and again: gathering them (C) beats
-            # making new ints and freeing them on eviction by 12% on noreuse, 9% on chat.
+            self.page_state = np.zeros(self.num_pages, dtype=np.uint8)
+            # One int object per slot, handed out again and again: gathering them (C) is
+            # cheaper than making new ints and freeing them on eviction (page_size > 1; with
+            # page_size 1 the free ring's list holds the slots themselves).
             self._slot_ints = np.arange(size, dtype=object)
         except (MemoryError, ValueError) as e:  # beyond this machine's memory, or numpy's sizes
             raise InvalidArgumentError(f"cannot hold a pool of {size:,} slots here ({e})") from None
@@ -206,19 +215,22 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         """Free every page (a :class:`ResetEvent`); the cache over it must be reset too."""
-        # A FIFO queue as an int64 array plus a head index: slices run in C and index the page
-        # mask without converting a list (numpy converts a list one Python int at a time).
-        self._free_pages = array("q", range(self.num_pages))
-        self._head = 0
-        self._allocated = np.zeros(self.num_pages, dtype=bool)  # page handed out?
+        # The free pages, first in first out, in a ring of fixed size (a growing queue would
+        # reallocate and touch new memory), kept twice: as an int64 array, whose slices index
+        # page_state without converting a list (numpy converts one Python int at a time), and
+        # as a list of the same ids, whose slices are the slots of page_size 1 (no gather).
+        self._ring = np.arange(self.num_pages, dtype=np.int64)
+        self._ring_list = list(range(self.num_pages))
+        self._head, self._num_free = 0, self.num_pages
         self.peak_used_size = 0
-        self.cache_owned[:] = False  # in place: the cache holds this array
+        self.page_state[:] = PAGE_FREE  # in place: the cache holds this array
+        self.generation += 1
         if self.bus.active:
             self.bus.emit(ResetEvent(self.bus.tick(), "token_pool"))
 
     def available_size(self) -> int:
         """Free capacity in tokens."""
-        return (len(self._free_pages) - self._head) * self.page_size
+        return self._num_free * self.page_size
 
     def used_size(self) -> int:
         """Slots handed out and not yet freed, in tokens (``size - available_size()``)."""
@@ -233,26 +245,31 @@ class TokenToKVPoolAllocator:
             InvalidArgumentError: ``num_tokens`` is negative.
             OutOfMemoryError: not enough free pages; nothing is allocated.
         """
-        if type(num_tokens) is not int and not isinstance(num_tokens, numbers.Integral):
-            raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        num_tokens = int(num_tokens)  # numpy ints too
+        if type(num_tokens) is not int:
+            if not isinstance(num_tokens, numbers.Integral):
+                raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+            num_tokens = int(num_tokens)  # numpy ints too
         if num_tokens < 0:
             raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         n_pages = -(-num_tokens // self.page_size)
-        free = len(self._free_pages) - self._head
+        free = self._num_free
         if n_pages > free:
             raise OutOfMemoryError(f"need {n_pages} pages ({num_tokens} tokens), only {free} free")
-        pages = self._free_pages[self._head : self._head + n_pages]
-        self._head += n_pages
-        if self._head > self.num_pages:  # compact: drop the consumed front of the queue
-            del self._free_pages[: self._head]
-            self._head = 0
-        page_ids = np.frombuffer(pages, np.int64)
-        self._allocated[page_ids] = True
-        ps = self.page_size
+        head, end, ps = self._head, self._head + n_pages, self.page_size
+        if end <= self.num_pages:
+            page_ids, page_list = self._ring[head:end], self._ring_list[head:end]
+        else:  # wraps around the ring
+            end -= self.num_pages
+            page_ids = np.concatenate((self._ring[head:], self._ring[:end]))
+            page_list = self._ring_list[head:] + self._ring_list[:end]
+        self._head, self._num_free = end, free - n_pages
+        self.page_state[page_ids] = PAGE_ALLOCATED
+        if ps == 1:
+            slots = page_list
+        else:
+            ids = (page_ids[:, None] * ps + np.arange(ps)).ravel()[:num_tokens]
+            slots = self._slot_ints[ids].tolist()
         self.peak_used_size = max(self.peak_used_size, self.size - (free - n_pages) * ps)
-        ids = page_ids if ps == 1 else (page_ids[:, None] * ps + np.arange(ps)).ravel()[:num_tokens]
-        slots = self._slot_ints[ids].tolist()
         self.bus.tick()
         if self.bus.active and slots:
             self.bus.emit(AllocEvent(self.bus.time, "token_pool", "slot", tuple(slots), owner))
@@ -276,30 +293,43 @@ class TokenToKVPoolAllocator:
             ordered = np.sort(pages)
             if np.count_nonzero(ordered[1:] == ordered[:-1]):  # a page named twice: free it once
                 pages = pages[np.sort(np.unique(pages, return_index=True)[1])]
-        self._release(pages, arr)
+        pages = pages.astype(np.int64, copy=False)
+        self._release(pages, pages.tolist(), arr)
 
-    def free_evicted(self, slots: np.ndarray) -> None:
-        """Free the slots the radix cache has just evicted (int64, whole pages, in order).
+    def free_evicted(self, slots: list[int], slot_ids: np.ndarray, generation: int) -> None:
+        """Free the slots the radix cache has just evicted: ``slots`` (whole pages, in order)
+        and ``slot_ids``, the same as an int64 array.
 
-        The cache's registry already proves them distinct and its own, so only the page mask
-        is checked here, not everything :meth:`free` checks.
+        The cache's invariants already prove them distinct, cached and its own, as long as the
+        pool was not cleared under it: only ``generation`` (the cache's) is checked here.
 
         Raises:
-            UnknownBlockError: a page is not allocated (the pool was cleared under the cache).
+            UnknownBlockError: the pool was cleared since the cache took these slots.
         """
-        if len(slots):
+        if generation != self.generation:
+            raise UnknownBlockError("the radix cache evicted slots of a pool cleared since")
+        if slots:
             ps = self.page_size
-            pages = slots if ps == 1 else slots[::ps] // ps
-            if np.count_nonzero(self._allocated[pages]) != len(pages):
-                raise UnknownBlockError("the radix cache evicted slots that are not allocated")
-            self._release(pages, slots)
+            pages = slot_ids if ps == 1 else slot_ids[::ps] // ps
+            self._release(pages, slots if ps == 1 else pages.tolist(), slots)
 
-    def _release(self, pages: np.ndarray, slots: np.ndarray) -> None:
-        self._allocated[pages] = False
-        self._free_pages.frombytes(pages.astype(np.int64, copy=False).tobytes())
+    def _release(self, pages: np.ndarray, page_list: list[int], slots) -> None:
+        """Queue the (distinct, int64) ``pages``, also given as ``page_list``, as free;
+        ``slots`` (a list or an array) are the slots named, for the event."""
+        self.page_state[pages] = PAGE_FREE
+        tail, k = (self._head + self._num_free) % self.num_pages, len(page_list)
+        if tail + k <= self.num_pages:
+            self._ring[tail : tail + k], self._ring_list[tail : tail + k] = pages, page_list
+        else:  # the rest wraps to the front of the ring
+            cut = self.num_pages - tail
+            self._ring[tail:], self._ring[: k - cut] = pages[:cut], pages[cut:]
+            self._ring_list[tail:], self._ring_list[: k - cut] = page_list[:cut], page_list[cut:]
+        self._num_free += k
         self.bus.tick()
         if self.bus.active:
-            self.bus.emit(FreeEvent(self.bus.time, "token_pool", "slot", tuple(slots.tolist())))
+            self.bus.emit(
+                FreeEvent(self.bus.time, "token_pool", "slot", tuple(np.asarray(slots).tolist()))
+            )
 
     def check_allocated(self, slots: Sequence[int]) -> None:
         """Raise what :meth:`free` would raise for ``slots``: every slot must be an int in
@@ -324,8 +354,7 @@ class TokenToKVPoolAllocator:
         if (
             lo < 0
             or np.maximum.reduce(arr) >= self.size
-            or not self.are_allocated(arr)
-            or np.count_nonzero(self.cache_owned[arr])
+            or np.count_nonzero(self.page_state[arr // self.page_size])  # not all allocated
             # array("Q") takes bools as 0 and 1: only then look at the types
             or (lo <= 1 and not isinstance(slots, np.ndarray) and bool in set(map(type, slots)))
         ):
@@ -341,22 +370,21 @@ class TokenToKVPoolAllocator:
                 raise UnknownBlockError(f"slot {s!r} is not an int") from None
             if not 0 <= s < self.size:
                 raise UnknownBlockError(f"slot {s} is not in 0..{self.size - 1}")
-            if not self._allocated[s // self.page_size]:
+            state = self.page_state[s // self.page_size]
+            if state == PAGE_FREE:
                 raise UnknownBlockError(f"slot {s} (page {s // self.page_size}) is not allocated")
-            if self.cache_owned[s]:
+            if state == PAGE_CACHED:
                 raise InvalidKeyError(f"slot {s} is held by the radix cache (freed on eviction)")
         raise UnknownBlockError(f"slots must be ints, got {slots!r}")  # e.g. bools
 
-    def are_allocated(self, slots: np.ndarray) -> bool:
-        """True if the page of every slot of ``slots`` (int64, each in ``0..size - 1``: the
-        caller checked) is handed out: one numpy call, where :meth:`check_allocated` makes six
-        (the radix cache checks the rest itself)."""
-        pages = slots if self.page_size == 1 else slots // self.page_size
-        return np.count_nonzero(self._allocated[pages]) == len(pages)
+    @property
+    def cache_owned(self) -> np.ndarray:
+        """``[size]`` bool, a new array: True for each slot whose page the radix cache holds."""
+        return np.repeat(self.page_state == PAGE_CACHED, self.page_size)
 
     def is_allocated(self, slot: int) -> bool:
-        """True if ``slot`` is in range and its page is handed out."""
-        return 0 <= slot < self.size and bool(self._allocated[slot // self.page_size])
+        """True if ``slot`` is in range and its page is handed out (cached pages included)."""
+        return 0 <= slot < self.size and bool(self.page_state[slot // self.page_size] != PAGE_FREE)
 
     def __repr__(self) -> str:
         return (

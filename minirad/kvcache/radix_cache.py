@@ -45,7 +45,7 @@ from minirad.events import (
     plural,
 )
 from minirad.kvcache.eviction import EvictionPolicy, get_policy
-from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+from minirad.kvcache.kv_pool import PAGE_ALLOCATED, PAGE_CACHED, TokenToKVPoolAllocator
 from minirad.kvcache.radix_events import RadixEventsMixin
 from minirad.kvcache.tokens import checked_token_ids
 
@@ -63,6 +63,17 @@ def _check_extra_key(extra_key: object) -> None:
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
+def _token_ids(ids: Sequence[int], name: str) -> tuple[list[int], array | None]:
+    """:func:`checked_token_ids`, with the common case (a list of ints < 2**64) first: it skips
+    the type tests that other sequences need."""
+    if type(ids) is list:
+        try:
+            return ids, array("Q", ids)
+        except (TypeError, OverflowError):
+            pass  # checked_token_ids says why, or takes ids of 64 bits or more
+    return checked_token_ids(ids, name)
+
+
 def _as_slots(slots: Sequence[int], name: str) -> tuple[list[int], np.ndarray]:
     """``slots`` as a list and as an int64 array of the same ids. The array views the one that
     validation builds: numpy's own conversion of a list is much slower. Ids of 2**63 or more
@@ -71,7 +82,10 @@ def _as_slots(slots: Sequence[int], name: str) -> tuple[list[int], np.ndarray]:
     Raises:
         InvalidKeyError: a slot is not an int >= 0.
     """
-    ids, checked = checked_token_ids(slots, name)
+    ids, checked = _token_ids(slots, name)
+    if ids and type(ids[0]) is not int and checked is not None:
+        # A list of numpy ints or bools: plain ints, which the allocator hands out again.
+        ids = checked.tolist()
     if checked is None:  # some ids are >= 2**64: 2**64 - 1 keeps the array as long as the list
         checked = array("Q", [min(s, 2**64 - 1) for s in ids])
     return ids, np.frombuffer(checked, np.int64)
@@ -283,11 +297,14 @@ class RadixCache(RadixEventsMixin):
         self._evict_heap: list[tuple[tuple, int, int, TreeNode]] = []
         self._push_count = 0
         self._next_sim_slot = 0  # slots handed out by insert(value=None)
-        # owned[slot] is True while a node holds that slot: rejects giving a slot to the tree
-        # twice. A numpy mask, not a set: it is updated for every inserted and evicted token.
-        # With an allocator it is the allocator's own mask, so its free() refuses these slots.
+        # _state[page] is PAGE_CACHED while a node holds that page: rejects giving a slot to
+        # the tree twice. A numpy array, not a set: it is updated for every inserted and
+        # evicted token. With an allocator it is the allocator's page_state (one array tells
+        # allocated from cached, and its free() refuses cached pages); without one, every page
+        # the tree does not hold counts as allocated (PAGE_ALLOCATED is 0: np.zeros).
         alloc = self.token_to_kv_pool_allocator
-        self._owned = alloc.cache_owned if alloc is not None else np.zeros(0, dtype=bool)
+        self._state = alloc.page_state if alloc is not None else np.zeros(0, dtype=np.uint8)
+        self._generation = alloc.generation if alloc is not None else 0
 
     def reset(self) -> None:
         """Drop the whole tree; its slots go back to the allocator, if there is one.
@@ -297,10 +314,10 @@ class RadixCache(RadixEventsMixin):
         """
         if self.protected_size_:
             raise LockError(f"cannot reset: {self.protected_size_} tokens are locked")
-        _, slots = _as_slots(self.all_values_flatten(), "slots")
-        self._owned[slots] = False
-        if self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free_evicted(slots)
+        alloc = self.token_to_kv_pool_allocator
+        if alloc is None or alloc.generation == self._generation:  # else: all free already
+            freed = self.all_values_flatten()
+            self._release(freed, _as_slots(freed, "slots")[1])
         self._init_tree()
         self._record(ResetEvent, self.bus.tick())
 
@@ -332,7 +349,7 @@ class RadixCache(RadixEventsMixin):
         Raises:
             InvalidKeyError: a token id is negative or not an int, or a bad ``extra_key``.
         """
-        key, buf = checked_token_ids(key, "key")
+        key, buf = _token_ids(key, "key")
         _check_extra_key(extra_key)
         return self._match(self._aligned(key), buf, extra_key, hit=True)
 
@@ -424,7 +441,7 @@ class RadixCache(RadixEventsMixin):
         Raises:
             InvalidKeyError: a token id is negative or not an int.
         """
-        key, buf = checked_token_ids(key, "key")
+        key, buf = _token_ids(key, "key")
         _check_extra_key(extra_key)
         return self._walk(self._aligned(key), buf, extra_key)[1]
 
@@ -446,7 +463,7 @@ class RadixCache(RadixEventsMixin):
                 that the tree already owns or that are not whole pages.
             UnknownBlockError: new slots that the allocator has not handed out.
         """
-        key, buf = checked_token_ids(key, "key")
+        key, buf = _token_ids(key, "key")
         _check_extra_key(extra_key)
         slots = None
         if value is not None:
@@ -476,7 +493,7 @@ class RadixCache(RadixEventsMixin):
             leaf.value_buf = slots
             node.children[self._child_key(key, i, extra_key)] = leaf
             self.evictable_size_ += n - i
-            self._owned[slots] = True
+            self._state[slots if self.page_size == 1 else slots // self.page_size] = PAGE_CACHED
             self.evictable_leaves.discard(node)
             self._add_evictable(leaf)
         self._record(InsertEvent, t, walked, i, node, leaf, extra_key)
@@ -501,22 +518,38 @@ class RadixCache(RadixEventsMixin):
         if lo < 0 or hi >= limit:
             bad = (hi if lo >= 0 else lo) % 2**64
             raise InvalidKeyError(f"slot {bad} is out of range (< {limit})")
-        if hi >= len(self._owned):
-            self._grow_owned(hi + 1)
-        # count_nonzero runs in C; ndarray.any() goes through a Python wrapper.
-        if np.count_nonzero(ordered[1:] == ordered[:-1]) or np.count_nonzero(self._owned[slots]):
-            raise InvalidKeyError("insert would give the tree a slot it already owns")
-        if alloc is not None and not allocated and not alloc.are_allocated(slots):
-            alloc.check_allocated(slots)  # raises why not
+        if hi // self.page_size >= len(self._state):
+            self._grow_state(hi // self.page_size + 1)
+        # One gather tells cached from free pages; count_nonzero runs in C (ndarray.any() goes
+        # through a Python wrapper).
+        state = self._state[slots if self.page_size == 1 else slots // self.page_size]
+        repeated = np.count_nonzero(ordered[1:] == ordered[:-1])
+        if repeated or np.count_nonzero(state):  # some page is not PAGE_ALLOCATED
+            if repeated or np.count_nonzero(state == PAGE_CACHED):
+                raise InvalidKeyError("insert would give the tree a slot it already owns")
+            if alloc is not None and not allocated:
+                alloc.check_allocated(slots)  # raises why not
         if self.page_size > 1 and not simulated:
             self._check_whole_pages(slots)
         return value, slots
 
-    def _grow_owned(self, size: int) -> None:
-        if size > len(self._owned):  # only without an allocator: slot ids are unbounded
-            grown = np.zeros(max(size, 2 * len(self._owned)), dtype=bool)
-            grown[: len(self._owned)] = self._owned
-            self._owned = grown
+    def _grow_state(self, size: int) -> None:
+        if size > len(self._state):  # only without an allocator: slot ids are unbounded
+            grown = np.zeros(max(size, 2 * len(self._state)), dtype=np.uint8)  # allocated
+            grown[: len(self._state)] = self._state
+            self._state = grown
+
+    def _release(self, slots: list[int], slot_ids: np.ndarray) -> None:
+        """Give back the slots the tree no longer holds (``slot_ids``: the same as an int64
+        array): to the allocator, which marks their pages free, or else to the pool of pages
+        the tree may take again."""
+        if self.token_to_kv_pool_allocator is not None:
+            # The tree held them, so they are distinct and allocated: free_evicted() skips
+            # free()'s checks.
+            self.token_to_kv_pool_allocator.free_evicted(slots, slot_ids, self._generation)
+        else:
+            pages = slot_ids if self.page_size == 1 else slot_ids // self.page_size
+            self._state[pages] = PAGE_ALLOCATED
 
     def _check_whole_pages(self, slots: np.ndarray) -> None:
         """Each page of tokens must sit in one whole KV page, in order: evicting a node frees
@@ -552,14 +585,9 @@ class RadixCache(RadixEventsMixin):
             victims.append(leaf)
             self._delete_leaf(leaf)  # its parent may become an evictable leaf
             self._record(EvictEvent, t, leaf)
-        if victims:  # one registry update for all victims, from their arrays
+        if victims:  # one state update for all victims, from their arrays
             bufs = [v.value_buf for v in victims]
-            slots = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
-            self._owned[slots] = False
-            if self.token_to_kv_pool_allocator is not None:
-                # Still allocated and distinct (the allocator refuses the tree's slots to
-                # everyone else): free_evicted() skips free()'s checks.
-                self.token_to_kv_pool_allocator.free_evicted(slots)
+            self._release(freed, bufs[0] if len(bufs) == 1 else np.concatenate(bufs))
         return freed
 
     def _pop_evictable(self) -> TreeNode | None:
@@ -889,7 +917,8 @@ class RadixCache(RadixEventsMixin):
 
         if len(set(seen)) != len(seen):
             fail("a slot is owned by two nodes")
-        if set(seen) != set(np.flatnonzero(self._owned).tolist()):
+        owned = np.repeat(self._state == PAGE_CACHED, self.page_size)
+        if set(seen) != set(np.flatnonzero(owned).tolist()):
             fail("slot registry out of sync with the tree")
         if (evictable, protected) != (self.evictable_size_, self.protected_size_):
             fail(
