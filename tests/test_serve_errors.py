@@ -110,3 +110,9 @@ def test_a_port_out_of_range_is_an_argument_error(text):
     with pytest.raises(argparse.ArgumentTypeError):
         port(text)
     assert port("65535") == 65535 and port("1") == 1
+
+
+def test_a_grammar_too_large_to_compile_says_so_not_the_backends_settings(url):
+    body = chat(guided_regex="(a|b)*" * 1000)
+    error = refusal(httpx.post(url + "/v1/chat/completions", json=body, timeout=60))
+    assert "too large to compile" in error["message"] and "limits." not in error["message"]

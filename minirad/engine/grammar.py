@@ -264,7 +264,10 @@ class GrammarCompiler:
             self._ll_tokenizer(stop), _grammar_text(params), log_level=0
         )
         if template.is_error():
-            raise GrammarError(f"invalid {kind}: {_one_line(template.get_error())}")
+            error = _one_line(template.get_error())
+            if "limits." in error:  # llguidance's advice names its own settings, not the client's
+                raise GrammarError(f"the {kind} is too large to compile: {error.split(';')[0]}")
+            raise GrammarError(f"invalid {kind}: {error}")
         # A grammar whose first state allows no token (a regex of an empty character class)
         # would leave a request nothing to sample: refuse it here, not mid-step.
         start = allocate_token_bitmask(1, self.vocab_size)
