@@ -684,3 +684,28 @@ def test_cached_prefix_len_reads_what_match_prefix_finds_without_changing_the_tr
     assert cache.cached_prefix_len([1, 2, 3, 9]) == 2  # ends inside the edge: no split
     assert [(n.key, n.last_access_time, n.hit_count) for n in cache.nodes()] == before
     assert cache.cached_prefix_len([1, 2, 3, 9]) == len(cache.match_prefix([1, 2, 3, 9]).indices)
+
+
+@pytest.mark.parametrize(
+    "ids", [[], [0, 1, 2**64 - 1], [True, 3], [1, -1], [1, 2.0], [1, None], [2**64], [1, "a"]]
+)
+def test_u64_array_is_the_array_constructor(ids):
+    from array import array
+
+    from minirad.kvcache.tokens import u64_array
+
+    try:
+        want = array("Q", ids)
+    except Exception as e:  # the same exception type for the same bad id
+        with pytest.raises(type(e)):
+            u64_array(ids)
+    else:
+        assert u64_array(ids) == want
+
+
+def test_leaf_key_arrays_after_a_split():
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    cache.insert([1, 2, 7], [20, 21, 22])  # splits the first leaf after two tokens
+    assert sorted(n.key_buf.tolist() for n in cache.nodes()) == [[1, 2], [3, 4], [7]]
+    cache.check_invariants()

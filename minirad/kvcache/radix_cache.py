@@ -47,7 +47,7 @@ from minirad.events import (
 from minirad.kvcache.eviction import EvictionPolicy, get_policy
 from minirad.kvcache.kv_pool import PAGE_ALLOCATED, PAGE_CACHED, TokenToKVPoolAllocator
 from minirad.kvcache.radix_events import RadixEventsMixin
-from minirad.kvcache.tokens import checked_token_ids
+from minirad.kvcache.tokens import checked_token_ids, u64_array
 
 __all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
 
@@ -68,7 +68,7 @@ def _token_ids(ids: Sequence[int], name: str) -> tuple[list[int], array | None]:
     the type tests that other sequences need."""
     if type(ids) is list:
         try:
-            return ids, array("Q", ids)
+            return ids, u64_array(ids)
         except (TypeError, OverflowError):
             pass  # checked_token_ids says why, or takes ids of 64 bits or more
     return checked_token_ids(ids, name)
@@ -489,7 +489,8 @@ class RadixCache(RadixEventsMixin):
         leaf = None
         if i < n:
             leaf = self._new_node(key[i:], value, node, t, extra_key)
-            leaf.key_buf = buf[i:n] if buf is not None else None
+            # The whole array when it is all new: arrays are never changed in place.
+            leaf.key_buf = buf if buf is None or (i == 0 and n == len(buf)) else buf[i:n]
             leaf.value_buf = slots
             node.children[self._child_key(key, i, extra_key)] = leaf
             self.evictable_size_ += n - i
@@ -622,7 +623,8 @@ class RadixCache(RadixEventsMixin):
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
-        del parent.children[self._child_key(node.key, 0, node.extra_key)]
+        simple = self.page_size == 1 and node.extra_key is None  # the child key is the token
+        del parent.children[node.key[0] if simple else self._child_key(node.key, 0, node.extra_key)]
         node.parent = None
         self.evictable_size_ -= len(node.key)
         self.evictable_leaves.discard(node)
