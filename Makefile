@@ -56,8 +56,14 @@ lab: dot venv
 
 # One pytest run: with --nbval the .py tests are collected as usual and each notebook is
 # executed and compared. Exit code 5 ("no tests collected") is not a failure.
+# On every core (pytest-xdist, at most 4 workers: each vLLM start wants a few GB), the work
+# shared out by file and notebook, slowest first (tests/conftest.py says how).
+# `make test PYTEST_ARGS=...` adds pytest options (.ci/run: --durations=15).
+XDIST := -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS ?=
 test: dot venv
-	$(DETERMINISTIC_ENV) $(BIN)/python -m pytest $(NBVAL) tests $(NOTEBOOKS) || [ $$? -eq 5 ]
+	$(DETERMINISTIC_ENV) $(BIN)/python -m pytest $(XDIST) $(NBVAL) $(PYTEST_ARGS) \
+	  tests $(NOTEBOOKS) || [ $$? -eq 5 ]
 
 lint: venv
 	$(BIN)/ruff check .

@@ -5,6 +5,11 @@
   so a CI failure reproduces on every run, and drops the wall-clock deadline (shared runners).
 - torch: intra-op reductions are ordered by thread, so the thread count is fixed for
   reproducible floats (https://pytorch.org/docs/stable/notes/randomness.html).
+- pytest-xdist (``make test`` runs ``-n auto --dist loadfile``): each test file, and each
+  notebook under nbval, is one unit of work for one worker (a notebook's cells share a kernel;
+  a file's module fixtures start once), the files that share the real vLLM server are one unit,
+  and the slowest units are handed out first (:data:`SLOW_FIRST`), so that no worker is left
+  with a long one at the end.
 """
 
 import os
@@ -40,6 +45,66 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(TORCH_THREADS)
+
+
+# ---------------------------------------------------------------------- xdist's units of work
+# Files that share one xdist worker, because they share what a worker starts once: the
+# session's real vLLM server (the ``vllm_server`` fixture below).
+SHARED_WORKER = {
+    "tests/test_vllm_events.py": "vllm_server",
+    "tests/test_vllm_recording.py": "vllm_server",
+}
+# The slowest units, slowest first (``.ci/run`` prints the 15 slowest tests; a unit missing here
+# only starts later). Under xdist they are handed out first: the many short files then fill
+# in around them, and the run ends with short units on both workers.
+SLOW_FIRST = (
+    "vllm_server",
+    "tests/test_browser_vllm.py",
+    "tests/test_browser_committed.py",
+    "tests/test_browser.py",
+    "tests/test_bench_structured.py",
+    "tests/test_vllm_parity.py",
+    "tests/test_bench_engine.py",
+    "tests/test_serve_hostile.py",
+    "tests/test_routers.py",
+    "notebooks/10_replicas.ipynb",
+    "tests/test_tiny_vlm.py",
+    "tests/test_server_process.py",
+    "tests/test_bench.py",
+)
+
+
+def unit_of_work(nodeid: str) -> str:
+    """The xdist unit a test belongs to: its file (a notebook under nbval is a file), or the
+    name of the files of :data:`SHARED_WORKER` it shares a worker with."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_WORKER.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile``, with the files of :data:`SHARED_WORKER` as one unit. (pytest-xdist's
+    own ``loadgroup`` cannot group here: it renames ``item._nodeid``, which pytest 9 no longer
+    reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Units(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_work(nodeid)
+
+    return Units(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: the units of :data:`SLOW_FIRST` first (every worker collects the
+    same order, and ``--no-loadscope-reorder`` hands the units out in it). Elsewhere the order
+    is pytest's own."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {unit: i for i, unit in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(unit_of_work(item.nodeid), len(rank)))  # stable
 
 
 @pytest.fixture(autouse=True)
@@ -93,6 +158,21 @@ def vllm_python():
         if os.environ.get("CI"):
             pytest.fail(str(e))
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python):
+    """One real vLLM server (:class:`~minirad.peers.vllm_server.VLLMServer`, default settings)
+    for the session: ``(server, recording)``, where ``recording`` is chapter 08's session
+    (:func:`minirad.course.recordings.record`) taken on it right after its start, while it was
+    fresh. tests/test_vllm_recording.py checks the recording, tests/test_vllm_events.py uses the
+    server afterwards (and restarts it). A start costs 30-70 s on 2 cores."""
+    from minirad.course import recordings
+    from minirad.peers.vllm_server import VLLMServer
+
+    with VLLMServer(python=vllm_python) as server:
+        print(f"vLLM server up in {server.startup_s:.1f} s")
+        yield server, recordings.record(server)
 
 
 @pytest.fixture(scope="session")

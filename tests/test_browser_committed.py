@@ -99,9 +99,23 @@ def trust(data_dir: Path, notebooks: list[Path]) -> None:
     subprocess.run(cmd, check=True, env=env, capture_output=True)
 
 
-def open_unrun(page, lab, notebook: str, root: Path) -> list[dict]:
+# Untrusted, the same wait would always last its 60 s: no player ever draws. There the wait is
+# for every output the file holds to have its renderer chosen (JupyterLab marks the rendered
+# element with its MIME type, and keeps the choice): what it shows then is what it will show.
+_RENDERERS = """(n) => {
+  const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+  if (!panel || panel.querySelectorAll('.jp-CodeCell').length !== n[0]) return null;
+  const outputs = [...panel.querySelectorAll('.jp-CodeCell .jp-OutputArea-output')];
+  const mimes = outputs.map((o) => o.getAttribute('data-mime-type') ||
+    o.querySelector('[data-mime-type]')?.getAttribute('data-mime-type'));
+  return outputs.length === n[1] && mimes.every(Boolean) ? mimes : null;
+}"""
+
+
+def open_unrun(page, lab, notebook: str, root: Path, trusted: bool = True) -> list[dict]:
     """Open ``notebook`` in a fresh workspace, run nothing, and wait until every code cell and
-    every output the file holds is drawn (or 60 s). Returns :data:`_SHOWN`."""
+    every output the file holds is drawn (or 60 s); ``trusted=False``: until every output has
+    its renderer (and none is a player's). Returns :data:`_SHOWN`."""
     expected = expected_outputs(root / notebook)
     page.goto(lab.tree(notebook) + "&reset")
     settled = """(n) => { const cells = document.querySelectorAll(
@@ -110,12 +124,17 @@ def open_unrun(page, lab, notebook: str, root: Path) -> list[dict]:
         [...document.querySelectorAll('.jp-NotebookPanel .jp-OutputArea-output')]
           .filter((o) => o.querySelector('.radix-view .rv-counter')).length >= n[1]; }"""
     total_widgets = sum(c["widgets"] for c in expected)
+    arg = [len(expected), total_widgets]
+    if not trusted:
+        cells = json.loads((root / notebook).read_text(encoding="utf-8"))["cells"]
+        settled = _RENDERERS
+        arg = [len(expected), sum(len(c.get("outputs", [])) for c in cells if "outputs" in c)]
     try:
-        page.wait_for_function(
-            settled, arg=[len(expected), total_widgets], timeout=60_000, polling=250
-        )
+        mimes = page.wait_for_function(settled, arg=arg, timeout=60_000, polling=250).json_value()
     except Exception:  # noqa: BLE001 (the assertions below say what is missing)
-        pass
+        mimes = []
+    if not trusted:
+        assert WIDGET not in mimes, f"{notebook}: an untrusted output chose a player's renderer"
     return page.evaluate(_SHOWN)
 
 
@@ -178,7 +197,7 @@ def test_untrusted_chapter_shows_no_pictures(page, tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
         with jupyter_lab(tmp_path) as lab:
-            shown = open_unrun(page, lab, notebook, ROOT)
+            shown = open_unrun(page, lab, notebook, ROOT, trusted=False)
     assert not any(c["widgets"] for c in shown)
     assert any("SVG object>" in c["text"] for c in shown)
 

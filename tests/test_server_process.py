@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -46,3 +47,19 @@ def test_a_taken_port_is_refused_not_mistaken_for_our_server():
         first.stop()
     restarted = first.restart(timeout_s=120)  # its own port again, right after it closed
     restarted.stop()
+
+
+def test_a_restart_waits_out_a_port_held_for_a_moment():
+    """Between stop and start another process may hold the port briefly (an outgoing
+    connection's local port): the restart tries again rather than failing at once."""
+    worker = MiniradWorker().start(timeout_s=120)
+    worker.stop()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", worker.port))
+    holder.listen()
+    threading.Timer(1.0, holder.close).start()
+    try:
+        assert worker.restart(timeout_s=120).healthy()
+    finally:
+        worker.stop()
+        holder.close()

@@ -1,10 +1,13 @@
 """The real vLLM 0.32 OpenAI server on the shipped model: its KV events through our subscriber,
 its cached tokens against what its block hashes predict, and its answers against our engine's.
 
-One server for the module (a start costs ~40 s on 2 cores), restarted once, by the last test.
-The tests share its cache and run in file order: each request's events are those delivered
-between the request and a quiet moment, and :class:`Stream` keeps a model of the cache (block
-hash -> parent) built from every event since the server started.
+One server for the module (a start costs ~40 s on 2 cores): the session's (the ``vllm_server``
+fixture of tests/conftest.py, which first records chapter 08's session on it for
+tests/test_vllm_recording.py), restarted once, by the last test. The tests share its cache and
+run in file order: each request's events are those delivered between the request and a quiet
+moment, and :class:`Stream` keeps a model of the cache (block hash -> parent) built from every
+event since the server started (the replay brings the ones sent before the module's
+subscriber joined).
 """
 
 from __future__ import annotations
@@ -137,11 +140,11 @@ def vllm_decoder(vllm_python, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python, vllm_decoder):
-    srv = VLLMServer(python=vllm_python).start()
-    print(f"vLLM server up in {srv.startup_s:.1f} s")
-    yield srv
-    srv.stop()
+def server(vllm_decoder, vllm_server):
+    """The session's server (tests/conftest.py), after chapter 08's recording: the module's
+    subscriber gets those batches through the replay, so its model of the cache is whole."""
+    srv, _recording = vllm_server
+    return srv
 
 
 @pytest.fixture(scope="module")

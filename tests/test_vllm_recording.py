@@ -4,18 +4,19 @@ The chapter replays ``data/recordings/vllm_ch08_*`` under nbval, without vLLM. T
 records the same session again on a fresh real server (``make vllm``; skipped without it,
 except in CI) and compares what must not drift: the answers, the cached tokens and the
 structure of the KV events (block counts, parents, token ids), not timestamps or hash values.
+The session's server (the ``vllm_server`` fixture of tests/conftest.py) records it right
+after its start, before tests/test_vllm_events.py uses it.
 """
 
 import pytest
 
 from minirad.course import recordings
-from minirad.peers.vllm_server import VLLMServer
 
 
 @pytest.fixture(scope="module")
-def fresh(vllm_python):
-    with VLLMServer(python=vllm_python) as server:
-        yield recordings.record(server)
+def fresh(vllm_server):
+    _server, recording = vllm_server
+    return recording
 
 
 def test_answers_and_cached_tokens_are_the_committed_ones(fresh):

@@ -41,6 +41,8 @@ from minirad.peers.vllm_env import die_with_parent
 
 __all__ = ["ServerProcess", "free_port", "usable_cpus"]
 
+RESTART_TRIES = 3  # restart(): starts refused for a port in use, before the error stands
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
@@ -232,9 +234,22 @@ class ServerProcess:
             self._logdir = self.log_path = None
 
     def restart(self, timeout_s: float | None = None) -> ServerProcess:
-        """Stop, then start again on the same port. Returns the server."""
+        """Stop, then start again on the same ports. Returns the server.
+
+        Between the stop and the start another process may hold one of those ports for a
+        moment (an outgoing connection gets its local port from the same range that free
+        ports come from): a start refused for a port in use is tried again, twice, two
+        seconds apart, before the error stands.
+        """
         self.stop()
-        return self.start(timeout_s)
+        for attempt in range(RESTART_TRIES):
+            try:
+                return self.start(timeout_s)
+            except PeerError as e:
+                if "in use" not in str(e) or attempt == RESTART_TRIES - 1:
+                    raise
+                time.sleep(2.0)
+        raise AssertionError("unreachable")
 
     def __enter__(self):
         if not self.running:
