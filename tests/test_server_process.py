@@ -55,6 +55,7 @@ def test_a_restart_waits_out_a_port_held_for_a_moment():
     worker = MiniradWorker().start(timeout_s=120)
     worker.stop()
     holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the TIME_WAIT it left
     holder.bind(("127.0.0.1", worker.port))
     holder.listen()
     threading.Timer(1.0, holder.close).start()
