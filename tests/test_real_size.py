@@ -4,6 +4,7 @@ layers and one vision layer, at the real widths, keep the test short."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from PIL import Image
 from test_tiny_vlm import assert_hub_layout
@@ -42,10 +43,11 @@ def test_llava_200m_has_the_real_dimensions_and_the_hub_layout(tmp_path):
     assert (out / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
 
 
-def test_the_engine_gives_hf_generates_tokens_and_logits_at_the_real_widths(tmp_path):
+@pytest.mark.parametrize("like", sorted(LIKE))
+def test_the_engine_gives_hf_generates_tokens_and_logits_at_the_real_widths(tmp_path, like):
     """Random weights at HF's init give near-flat logits (greedy then repeats one token), so
     the logits are compared too, not only the tokens."""
-    out = make_model("llava-200m", tmp_path / "m", text_layers=2, vision_layers=1)
+    out = make_model(like, tmp_path / "m", text_layers=2, vision_layers=1)
     engine = LLMEngine.from_pretrained(out)
     processor = AutoProcessor.from_pretrained(out, local_files_only=True)
     model = AutoModelForImageTextToText.from_pretrained(out, local_files_only=True).eval()
@@ -63,15 +65,23 @@ def test_the_engine_gives_hf_generates_tokens_and_logits_at_the_real_widths(tmp_
             output_logits=True,
             return_dict_in_generate=True,
         )
-    assert len(ours[0].prompt_token_ids) == inputs["input_ids"].shape[1]  # 196 image tokens in
+    assert len(ours[0].prompt_token_ids) == inputs["input_ids"].shape[1]  # image tokens in
     assert list(ours[0].token_ids) == hf.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     theirs = torch.stack(hf.logits)[:, 0]
     torch.testing.assert_close(ours[0].logits, theirs, atol=1e-4, rtol=1e-4)
 
 
-def test_the_command_refuses_a_bad_size(capsys):
-    import pytest
+def test_smolvlm_256m_has_the_real_dimensions(tmp_path):
+    out = make_model("smolvlm-256m", tmp_path / "m", text_layers=2, vision_layers=1)
+    model = AutoModelForImageTextToText.from_pretrained(out, local_files_only=True)
+    text, vision = model.config.text_config, model.config.vision_config
+    assert (text.hidden_size, text.num_attention_heads, text.num_key_value_heads) == (576, 9, 3)
+    assert (vision.hidden_size, vision.intermediate_size, vision.image_size) == (768, 3072, 512)
+    processor = AutoProcessor.from_pretrained(out, local_files_only=True)
+    assert processor.image_seq_len == (512 // 16) ** 2 // 4**2 == 64
 
+
+def test_the_command_refuses_a_bad_size(capsys):
     with pytest.raises(SystemExit) as e:
         main(["/tmp/never", "--like", "gpt-5"])
     assert e.value.code == 2

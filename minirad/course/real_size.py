@@ -13,6 +13,12 @@ tokens can still be compared one for one):
     vocabulary. The tower is saved under the Hub's ``vision_tower.vision_model.*`` names, so
     vLLM loads the folder too.
 
+``smolvlm-256m``
+    Idefics3 (SmolVLM's family) with the same text model and a SigLIP-style tower like
+    SmolVLM-256M's (12 layers, hidden 768, MLP 3072, 512 px in patches of 16, pixel shuffle by
+    4: 64 image tokens). One 512 px view per image: SmolVLM's tiling is off, so every image
+    costs the same. The shipped tokenizer gets Idefics3's three special tokens.
+
 ``python -m minirad.course.real_size --like llava-200m OUT``; ``--text-layers`` and
 ``--vision-layers`` make a shallower model of the same widths (the tests use 2 and 1).
 """
@@ -25,13 +31,32 @@ from pathlib import Path
 
 import torch
 
-from minirad.course.train import TrainConfig, build_model, build_processor, save_checkpoint
-from minirad.models.tokenizer import load_tokenizer
+from minirad.course.train import (
+    CHAT_TEMPLATE,
+    TrainConfig,
+    build_model,
+    build_processor,
+    save_checkpoint,
+)
+from minirad.models.tokenizer import IM_END, IMAGE_TOKEN, load_tokenizer
 
 __all__ = ["LIKE", "make_model"]
 
 # Each size as the training recipe's model fields (minirad.course.train.TrainConfig).
 LIKE: dict[str, dict[str, int]] = {
+    "smolvlm-256m": dict(
+        text_hidden=576,
+        text_mlp=1536,
+        text_layers=30,
+        text_heads=9,
+        text_kv_heads=3,
+        vision_hidden=768,
+        vision_mlp=3072,
+        vision_layers=12,
+        vision_heads=12,
+        image_size=512,
+        patch_size=16,
+    ),
     "llava-200m": dict(
         text_hidden=576,
         text_mlp=1536,
@@ -71,11 +96,79 @@ def make_model(
             sizes[name] = layers
     cfg = replace(TrainConfig(), out=Path(out), **sizes)
     tokenizer = load_tokenizer()
-    processor = build_processor(tokenizer, cfg.image_size, cfg.patch_size)
     torch.manual_seed(seed)
+    if like.startswith("smolvlm"):
+        model, processor = _idefics3(tokenizer, cfg)
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        model.eval().save_pretrained(cfg.out)
+        processor.save_pretrained(cfg.out)
+        return cfg.out
+    processor = build_processor(tokenizer, cfg.image_size, cfg.patch_size)
     model = build_model(tokenizer, cfg).eval()
     save_checkpoint(model, processor, cfg.out)
     return cfg.out
+
+
+IDEFICS3_SPECIAL = ("<fake_token_around_image>", "<global-img>", "<end_of_utterance>")
+PIXEL_SHUFFLE = 4  # Idefics3's scale_factor: 4x4 patches become one image token
+
+
+def _idefics3(tokenizer, cfg: TrainConfig):
+    """A random-init Idefics3 sized by ``cfg``, and its processor (one view per image)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        LlamaConfig,
+    )
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+
+    tokenizer.add_special_tokens({"additional_special_tokens": list(IDEFICS3_SPECIAL)})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    side = {"longest_edge": cfg.image_size}
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(
+            size=side, max_image_size=side, do_image_splitting=False
+        ),
+        tokenizer=tokenizer,
+        image_seq_len=(cfg.image_size // cfg.patch_size) ** 2 // PIXEL_SHUFFLE**2,
+        chat_template=CHAT_TEMPLATE,
+    )
+    vision = Idefics3VisionConfig(
+        hidden_size=cfg.vision_hidden,
+        intermediate_size=cfg.vision_mlp,
+        num_hidden_layers=cfg.vision_layers,
+        num_attention_heads=cfg.vision_heads,
+        image_size=cfg.image_size,
+        patch_size=cfg.patch_size,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.text_hidden,
+        intermediate_size=cfg.text_mlp,
+        num_hidden_layers=cfg.text_layers,
+        num_attention_heads=cfg.text_heads,
+        num_key_value_heads=cfg.text_kv_heads,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+        eos_token_id=im_end,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        scale_factor=PIXEL_SHUFFLE,
+        tie_word_embeddings=True,
+    )
+    model = Idefics3ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = im_end
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.do_sample = False
+    return model, processor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load(path: Path) -> torch.nn.Module:
-    from transformers import LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return LlavaForConditionalGeneration.from_pretrained(path)
+    return AutoModelForImageTextToText.from_pretrained(path, local_files_only=True)
 
 
 if __name__ == "__main__":
