@@ -37,39 +37,20 @@ from minirad.course.train import (
     build_model,
     build_processor,
     save_checkpoint,
+    text_config,
 )
 from minirad.models.tokenizer import IM_END, IMAGE_TOKEN, load_tokenizer
 
 __all__ = ["LIKE", "make_model"]
 
+# The text model of both: SmolLM2-135M's shape.
+SMOLLM2_135M = dict(text_hidden=576, text_mlp=1536, text_layers=30, text_heads=9, text_kv_heads=3)
+# The vision tower of both: ViT-B/16 (CLIP's for LLaVA, SigLIP's for SmolVLM).
+VIT_B16 = dict(vision_hidden=768, vision_mlp=3072, vision_layers=12, vision_heads=12, patch_size=16)
 # Each size as the training recipe's model fields (minirad.course.train.TrainConfig).
 LIKE: dict[str, dict[str, int]] = {
-    "smolvlm-256m": dict(
-        text_hidden=576,
-        text_mlp=1536,
-        text_layers=30,
-        text_heads=9,
-        text_kv_heads=3,
-        vision_hidden=768,
-        vision_mlp=3072,
-        vision_layers=12,
-        vision_heads=12,
-        image_size=512,
-        patch_size=16,
-    ),
-    "llava-200m": dict(
-        text_hidden=576,
-        text_mlp=1536,
-        text_layers=30,
-        text_heads=9,
-        text_kv_heads=3,
-        vision_hidden=768,
-        vision_mlp=3072,
-        vision_layers=12,
-        vision_heads=12,
-        image_size=224,
-        patch_size=16,
-    ),
+    "llava-200m": SMOLLM2_135M | VIT_B16 | dict(image_size=224),
+    "smolvlm-256m": SMOLLM2_135M | VIT_B16 | dict(image_size=512),
 }
 
 
@@ -120,7 +101,6 @@ def _idefics3(tokenizer, cfg: TrainConfig):
         Idefics3ForConditionalGeneration,
         Idefics3ImageProcessorPil,
         Idefics3Processor,
-        LlamaConfig,
     )
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 
@@ -144,22 +124,9 @@ def _idefics3(tokenizer, cfg: TrainConfig):
         image_size=cfg.image_size,
         patch_size=cfg.patch_size,
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.text_hidden,
-        intermediate_size=cfg.text_mlp,
-        num_hidden_layers=cfg.text_layers,
-        num_attention_heads=cfg.text_heads,
-        num_key_value_heads=cfg.text_kv_heads,
-        max_position_embeddings=2048,
-        bos_token_id=None,
-        eos_token_id=im_end,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
     config = Idefics3Config(
         vision_config=vision,
-        text_config=text,
+        text_config=text_config(tokenizer, cfg, max_position_embeddings=2048),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         scale_factor=PIXEL_SHUFFLE,
         tie_word_embeddings=True,

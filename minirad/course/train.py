@@ -195,6 +195,26 @@ def build_processor(
     )
 
 
+def text_config(
+    tokenizer: PreTrainedTokenizerFast, cfg: TrainConfig, max_position_embeddings: int = 512
+) -> LlamaConfig:
+    """The Llama text model sized by ``cfg``, over ``tokenizer``'s vocabulary; it stops at
+    ``<|im_end|>``."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.text_hidden,
+        intermediate_size=cfg.text_mlp,
+        num_hidden_layers=cfg.text_layers,
+        num_attention_heads=cfg.text_heads,
+        num_key_value_heads=cfg.text_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+
+
 def build_model(
     tokenizer: PreTrainedTokenizerFast, cfg: TrainConfig
 ) -> LlavaForConditionalGeneration:
@@ -211,22 +231,9 @@ def build_model(
         patch_size=cfg.patch_size,
         projection_dim=cfg.vision_hidden,
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.text_hidden,
-        intermediate_size=cfg.text_mlp,
-        num_hidden_layers=cfg.text_layers,
-        num_attention_heads=cfg.text_heads,
-        num_key_value_heads=cfg.text_kv_heads,
-        max_position_embeddings=512,
-        bos_token_id=None,
-        eos_token_id=im_end,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
     config = LlavaConfig(
         vision_config=vision,
-        text_config=text,
+        text_config=text_config(tokenizer, cfg),
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         image_seq_length=(cfg.image_size // cfg.patch_size) ** 2,
         vision_feature_layer=-1,  # a 3-layer tower has no spare layers: use the last one
