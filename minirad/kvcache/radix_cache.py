@@ -47,7 +47,7 @@ from minirad.events import (
 from minirad.kvcache.eviction import EvictionPolicy, get_policy
 from minirad.kvcache.kv_pool import PAGE_ALLOCATED, PAGE_CACHED, TokenToKVPoolAllocator
 from minirad.kvcache.radix_events import RadixEventsMixin
-from minirad.kvcache.tokens import checked_token_ids, u64_array
+from minirad.kvcache.tokens import checked_token_ids
 
 __all__ = ["MatchResult", "RadixCache", "Req", "TreeNode"]
 
@@ -63,17 +63,6 @@ def _check_extra_key(extra_key: object) -> None:
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
-def _token_ids(ids: Sequence[int], name: str) -> tuple[list[int], array | None]:
-    """:func:`checked_token_ids`, with the common case (a list of ints < 2**64) first: it skips
-    the type tests that other sequences need."""
-    if type(ids) is list:
-        try:
-            return ids, u64_array(ids)
-        except (TypeError, OverflowError):
-            pass  # checked_token_ids says why, or takes ids of 64 bits or more
-    return checked_token_ids(ids, name)
-
-
 def _as_slots(slots: Sequence[int], name: str) -> tuple[list[int], np.ndarray]:
     """``slots`` as a list and as an int64 array of the same ids. The array views the one that
     validation builds: numpy's own conversion of a list is much slower. Ids of 2**63 or more
@@ -82,7 +71,7 @@ def _as_slots(slots: Sequence[int], name: str) -> tuple[list[int], np.ndarray]:
     Raises:
         InvalidKeyError: a slot is not an int >= 0.
     """
-    ids, checked = _token_ids(slots, name)
+    ids, checked = checked_token_ids(slots, name)
     if ids and type(ids[0]) is not int and checked is not None:
         # A list of numpy ints or bools: plain ints, which the allocator hands out again.
         ids = checked.tolist()
@@ -349,7 +338,7 @@ class RadixCache(RadixEventsMixin):
         Raises:
             InvalidKeyError: a token id is negative or not an int, or a bad ``extra_key``.
         """
-        key, buf = _token_ids(key, "key")
+        key, buf = checked_token_ids(key, "key")
         _check_extra_key(extra_key)
         return self._match(self._aligned(key), buf, extra_key, hit=True)
 
@@ -441,7 +430,7 @@ class RadixCache(RadixEventsMixin):
         Raises:
             InvalidKeyError: a token id is negative or not an int.
         """
-        key, buf = _token_ids(key, "key")
+        key, buf = checked_token_ids(key, "key")
         _check_extra_key(extra_key)
         return self._walk(self._aligned(key), buf, extra_key)[1]
 
@@ -463,7 +452,7 @@ class RadixCache(RadixEventsMixin):
                 that the tree already owns or that are not whole pages.
             UnknownBlockError: new slots that the allocator has not handed out.
         """
-        key, buf = _token_ids(key, "key")
+        key, buf = checked_token_ids(key, "key")
         _check_extra_key(extra_key)
         slots = None
         if value is not None:

@@ -40,10 +40,11 @@ def checked_token_ids(
     Raises:
         InvalidKeyError: ``ids`` is not a sequence of integers >= 0.
     """
-    if type(ids) is not list and hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    elif isinstance(ids, bytes | bytearray):  # one token per byte, not array()'s 8-byte words
-        ids = list(ids)
+    if type(ids) is not list:  # a list, the common case, goes straight to the check
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        elif isinstance(ids, bytes | bytearray):  # one token per byte, not 8-byte words
+            ids = list(ids)
     try:
         # An unsigned C array type-checks every element at C speed: floats, strings and None
         # raise TypeError, negative ids OverflowError; tolist() gives back plain ints.

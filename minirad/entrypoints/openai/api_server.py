@@ -150,9 +150,8 @@ _FIELDS = frozenset(
 
 async def refused(_: Request, exc: MiniradError) -> JSONResponse:
     message = " ".join(str(exc).split())
-    named = message.split(" ", 1)[0]
-    param = getattr(exc, "param", None) or (named if named in _FIELDS else None)
-    return error_response(400, message, "BadRequestError", param)
+    named = message.split(" ", 1)[0]  # "temperature must be ...": the field it is about
+    return error_response(400, message, "BadRequestError", named if named in _FIELDS else None)
 
 
 async def not_found(_: Request, exc: ModelNotFoundError) -> JSONResponse:
