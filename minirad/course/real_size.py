@@ -38,6 +38,7 @@ from minirad.course.train import (
     build_processor,
     save_checkpoint,
     text_config,
+    vision_sizes,
 )
 from minirad.models.tokenizer import IM_END, IMAGE_TOKEN, load_tokenizer
 
@@ -67,6 +68,11 @@ def make_model(
     Raises:
         ValueError: ``like`` is not a known size, or a layer count is below 1.
     """
+    return _save(*_build(like, text_layers, vision_layers, seed), Path(out))
+
+
+def _build(like: str, text_layers: int | None, vision_layers: int | None, seed: int):
+    """The model and processor of :func:`make_model`, in memory."""
     if like not in LIKE:
         raise ValueError(f"unknown size {like!r}; expected one of {', '.join(LIKE)}")
     sizes = dict(LIKE[like])
@@ -75,19 +81,22 @@ def make_model(
             if layers < 1:
                 raise ValueError(f"{name} must be >= 1, got {layers}")
             sizes[name] = layers
-    cfg = replace(TrainConfig(), out=Path(out), **sizes)
+    cfg = replace(TrainConfig(), **sizes)
     tokenizer = load_tokenizer()
     torch.manual_seed(seed)
     if like.startswith("smolvlm"):
-        model, processor = _idefics3(tokenizer, cfg)
-        cfg.out.mkdir(parents=True, exist_ok=True)
-        model.eval().save_pretrained(cfg.out)
-        processor.save_pretrained(cfg.out)
-        return cfg.out
-    processor = build_processor(tokenizer, cfg.image_size, cfg.patch_size)
-    model = build_model(tokenizer, cfg).eval()
-    save_checkpoint(model, processor, cfg.out)
-    return cfg.out
+        return _idefics3(tokenizer, cfg)
+    return build_model(tokenizer, cfg), build_processor(tokenizer, cfg.image_size, cfg.patch_size)
+
+
+def _save(model: torch.nn.Module, processor, out: Path) -> Path:
+    if model.config.model_type == "llava":
+        save_checkpoint(model, processor, out)  # the vision tower under the Hub's names
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        processor.save_pretrained(out)
+    return out
 
 
 IDEFICS3_SPECIAL = ("<fake_token_around_image>", "<global-img>", "<end_of_utterance>")
@@ -116,16 +125,8 @@ def _idefics3(tokenizer, cfg: TrainConfig):
         image_seq_len=(cfg.image_size // cfg.patch_size) ** 2 // PIXEL_SHUFFLE**2,
         chat_template=CHAT_TEMPLATE,
     )
-    vision = Idefics3VisionConfig(
-        hidden_size=cfg.vision_hidden,
-        intermediate_size=cfg.vision_mlp,
-        num_hidden_layers=cfg.vision_layers,
-        num_attention_heads=cfg.vision_heads,
-        image_size=cfg.image_size,
-        patch_size=cfg.patch_size,
-    )
     config = Idefics3Config(
-        vision_config=vision,
+        vision_config=Idefics3VisionConfig(**vision_sizes(cfg)),
         text_config=text_config(tokenizer, cfg, max_position_embeddings=2048),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         scale_factor=PIXEL_SHUFFLE,
@@ -150,18 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        out = make_model(args.like, args.out, args.text_layers, args.vision_layers, args.seed)
+        model, processor = _build(args.like, args.text_layers, args.vision_layers, args.seed)
     except ValueError as e:
         parser.error(str(e))
-    params = sum(p.numel() for p in _load(out).parameters())
+    out = _save(model, processor, args.out)
+    params = sum(p.numel() for p in model.parameters())
     print(f"{args.like}: {params / 1e6:.1f} M parameters in {out}")
     return 0
-
-
-def _load(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(path, local_files_only=True)
 
 
 if __name__ == "__main__":

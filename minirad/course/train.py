@@ -195,6 +195,18 @@ def build_processor(
     )
 
 
+def vision_sizes(cfg: TrainConfig) -> dict[str, int]:
+    """The vision tower's sizes in ``cfg``, as the fields of a ViT config (CLIP's, SigLIP's)."""
+    return dict(
+        hidden_size=cfg.vision_hidden,
+        intermediate_size=cfg.vision_mlp,
+        num_hidden_layers=cfg.vision_layers,
+        num_attention_heads=cfg.vision_heads,
+        image_size=cfg.image_size,
+        patch_size=cfg.patch_size,
+    )
+
+
 def text_config(
     tokenizer: PreTrainedTokenizerFast, cfg: TrainConfig, max_position_embeddings: int = 512
 ) -> LlamaConfig:
@@ -222,15 +234,7 @@ def build_model(
 
     Seed torch first (``torch.manual_seed``) for reproducible weights."""
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    vision = CLIPVisionConfig(
-        hidden_size=cfg.vision_hidden,
-        intermediate_size=cfg.vision_mlp,
-        num_hidden_layers=cfg.vision_layers,
-        num_attention_heads=cfg.vision_heads,
-        image_size=cfg.image_size,
-        patch_size=cfg.patch_size,
-        projection_dim=cfg.vision_hidden,
-    )
+    vision = CLIPVisionConfig(**vision_sizes(cfg), projection_dim=cfg.vision_hidden)
     config = LlavaConfig(
         vision_config=vision,
         text_config=text_config(tokenizer, cfg),
