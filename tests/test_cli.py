@@ -8,6 +8,7 @@ the cache statistics are checked against what the requests share (a prefix, an i
 import contextlib
 import io
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,14 @@ from PIL import Image
 from tiny_models import IMAGE_SIZE, LLAVA_IMAGE_TOKENS, tiny_llava, tiny_llava_processor
 
 from minirad.entrypoints.chat_utils import chat_prompt
-from minirad.entrypoints.cli import JSONL_FIELDS, build_parser, cut_note, finish_note, main
+from minirad.entrypoints.cli import (
+    DTYPES,
+    JSONL_FIELDS,
+    build_parser,
+    cut_note,
+    finish_note,
+    main,
+)
 
 # A chat template over the tiny word-level vocabulary ("w4" .. "w95" are words): the role
 # and turn markers are ordinary words, so the prompt tokenizes without unknown tokens.
@@ -248,7 +256,8 @@ def test_parser_choices_are_the_engines():
     assert args.model == str(DEFAULT_MODEL_DIR)
     batch = build_parser()._subparsers._group_actions[0].choices["batch"]
     choices = {a.dest: a.choices for a in batch._actions if a.choices}
-    assert choices == {"prefix_strategy": PREFIX_STRATEGIES, "policy": POLICIES}
+    assert choices == {"prefix_strategy": PREFIX_STRATEGIES, "policy": POLICIES, "dtype": DTYPES}
+    assert all(getattr(torch, name).is_floating_point for name in DTYPES)
 
 
 @pytest.mark.parametrize("prompt", ["", "   "])
@@ -560,6 +569,82 @@ def test_a_pool_too_small_names_the_line_and_the_flag(tiny_dir, capsys):
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.startswith(f"minirad batch: error: {jsonl}:2: request needs up to ")
     assert captured.err.endswith(f"; raise --num-kv-slots (now {n + 4})\n")
+
+
+def test_device_and_dtype_flags_reach_the_engine(tiny_dir, capsys, monkeypatch):
+    """``--device cpu --dtype bfloat16``: the engine the command builds (kept by a pass-through
+    around ``LLMEngine.from_pretrained``) runs in bf16, KV pool included, on the CPU."""
+    from minirad.engine import LLMEngine
+
+    root, _, _ = tiny_dir
+    built = []
+    real = LLMEngine.from_pretrained.__func__
+
+    def keep(cls, *args, **kwargs):
+        built.append(real(cls, *args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(LLMEngine, "from_pretrained", classmethod(keep))
+    jsonl = write_jsonl(root / "requests.jsonl", ROWS)
+    argv = ["batch", str(jsonl), "--model", str(root / "model"), "--max-new-tokens", str(MAX_NEW)]
+    assert main(argv + ["--device", "cpu", "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out.count("\n    -> ") == len(ROWS)
+    (engine,) = built
+    assert engine.device == torch.device("cpu") and engine.dtype == torch.bfloat16
+    assert engine.kv_cache.k_cache.dtype == torch.bfloat16
+    for command in (["generate", "--prompt", "w10"], ["serve"]):
+        args = build_parser().parse_args(command)
+        assert (args.device, args.dtype) == ("cpu", "float32")  # the defaults
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("gpu", "--device: device 'gpu' is not a torch device (write e.g. 'cpu', 'cuda'"),
+        pytest.param(
+            "cuda",
+            "--device: device 'cuda' is not available: torch.cuda.is_available() is False",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+        ),
+    ],
+)
+def test_a_bad_device_is_one_line_and_exit_2_in_every_command(tiny_dir, capsys, device, message):
+    root, _, _ = tiny_dir
+    model = str(root / "model")
+    jsonl = write_jsonl(root / "requests.jsonl", ROWS)
+    for argv in (
+        ["generate", "--model", model, "--prompt", "w10", "--image", str(root / "img1.png")],
+        ["batch", str(jsonl), "--model", model],
+        ["serve", "--model", model, "--port", str(free_port())],
+    ):
+        assert main([*argv, "--device", device]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert captured.err.startswith(f"minirad {argv[0]}: error: {message}")
+        assert captured.err.endswith("available here: cpu\n") or torch.cuda.is_available()
+
+
+def test_a_bad_device_or_dtype_is_not_a_traceback(tiny_dir):
+    """``python -m minirad`` too: exit 2 and one line; a dtype outside --dtype's choices is
+    argparse's usage error (also exit 2)."""
+    root, _, _ = tiny_dir
+    base = [sys.executable, "-m", "minirad", "generate", "--model", str(root / "model")]
+    run = subprocess.run(
+        [*base, "--prompt", "w10", "--device", "gpu"], capture_output=True, text=True
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("minirad generate: error: --device: device 'gpu' is not a")
+    assert run.stderr.count("\n") == 1
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(io.StringIO()) as err:
+        main(["generate", "--prompt", "w10", "--dtype", "float16"])
+    assert e.value.code == 2
+    assert "argument --dtype: invalid choice: 'float16'" in err.getvalue()
 
 
 def test_batch_help_describes_the_jsonl_fields_and_every_flag():

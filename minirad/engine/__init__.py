@@ -23,6 +23,8 @@ _EXPORTS: dict[str, str] = {
     "EngineConfig": "engine",
     "EngineStats": "engine",
     "LLMEngine": "engine",
+    "available_devices": "engine",
+    "resolve_device": "engine",
     "ModelRunner": "model_runner",
     "ImageItem": "processing",
     "ImageSegment": "processing",

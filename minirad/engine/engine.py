@@ -22,6 +22,12 @@ allocator is short. All three share the engine's :class:`~minirad.events.EventBu
 
 Threads: the tiny models of this course run fastest with ``torch.set_num_threads(1)``; the
 engine never changes torch's global settings, so set it in the calling program.
+
+Device and dtype: the engine runs where the model is, or moves the model to
+``EngineConfig.device`` (checked by :func:`resolve_device`), and in the model's dtype: the KV
+pool takes both, and every tensor a step builds goes to the pool's device (the
+:class:`~minirad.models.ForwardBatch`, image inputs, grammar masks). Sampling draws on the CPU
+(:mod:`minirad.engine.sampling` says why); outputs' logits come back on the CPU.
 """
 
 from __future__ import annotations
@@ -54,9 +60,9 @@ from minirad.events import EventBus, JumpForwardEvent, StepEvent
 from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
 from minirad.kvcache.kv_pool import KVCache, TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache
-from minirad.models import PagedVLM, kv_cache_dims, load_model
+from minirad.models import PagedVLM, get_family, kv_cache_dims, load_model
 
-__all__ = ["EngineConfig", "EngineStats", "LLMEngine"]
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "available_devices", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,14 @@ class EngineConfig:
         kv_events_block_size: tokens per published block (vLLM's CPU backend: 32).
         jump_forward: append the tokens a request's grammar forces in one prefill chunk
             (:meth:`Request.jump_forward`) instead of decoding them one by one.
+        device: where the engine runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``, or a
+            ``torch.device``): the model is moved there, in place (``model.to(device)``, as a
+            Hugging Face pipeline does), and the KV pool is made there. None: the model's
+            own device (``model.device``), the model left where it is. Checked by
+            :func:`resolve_device`.
+        prepack_weights: on a CPU, also keep a oneDNN-packed copy of the text model's weights
+            for steps of a few rows, decode steps above all (:mod:`minirad.models.linear`): one
+            more copy of those weights in memory for faster decode steps.
     """
 
     num_kv_slots: int = 4096
@@ -100,6 +114,8 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_block_size: int = VLLM_BLOCK_SIZE
     jump_forward: bool = True
+    device: str | torch.device | None = None
+    prepack_weights: bool = True
 
 
 @dataclass
@@ -135,6 +151,61 @@ def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfi
     return replace(config or EngineConfig(), **overrides)
 
 
+# Accelerator backends a device string may name, each a torch module with ``is_available()``
+# and ``device_count()`` (torch.cuda, torch.xpu, torch.mps).
+_ACCELERATORS = ("cuda", "xpu", "mps")
+
+
+def available_devices() -> list[str]:
+    """The devices this process can run the engine on: ``"cpu"``, then every visible
+    accelerator (``"cuda:0"``, ``"cuda:1"``..., ``"mps"``)."""
+    found = ["cpu"]
+    for kind in _ACCELERATORS:
+        backend = getattr(torch, kind, None)
+        if backend is None or not backend.is_available():
+            continue
+        count = backend.device_count()
+        found += [kind] if kind == "mps" else [f"{kind}:{i}" for i in range(count)]
+    return found
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a :class:`torch.device` this process can use.
+
+    Raises:
+        InvalidArgumentError: not a device string torch parses (``"gpu"``, ``"cuda:x"``), a
+            device type torch has no usable backend for here (``"cuda"`` in a CPU-only torch
+            or on a machine without a GPU, ``"mps"`` off Apple silicon, ``"meta"``, which holds
+            no data), or an index past the device count (``"cuda:3"`` with one GPU). The
+            message names the device and :func:`available_devices`.
+    """
+    available = f"available here: {', '.join(available_devices())}"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"device {device!r} is not a torch device (write e.g. 'cpu', 'cuda', 'cuda:1', "
+            f"'mps'); {available}"
+        ) from None
+    if dev.type == "cpu":
+        return torch.device("cpu")  # torch ignores a CPU index ('cpu:1' is the CPU)
+    backend = getattr(torch, dev.type, None) if dev.type in _ACCELERATORS else None
+    if backend is None or not backend.is_available():
+        why = (
+            f"torch.{dev.type}.is_available() is False (torch {torch.__version__})"
+            if backend is not None
+            else f"the engine runs on cpu, {', '.join(_ACCELERATORS)}"
+        )
+        raise InvalidArgumentError(f"device {str(device)!r} is not available: {why}; {available}")
+    count = backend.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise InvalidArgumentError(
+            f"device {str(device)!r} does not exist: torch sees {count} {dev.type} device(s); "
+            f"{available}"
+        )
+    return dev
+
+
 def _eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
     eos = model.generation_config.eos_token_id
     return () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
@@ -152,8 +223,13 @@ class LLMEngine:
         config: an :class:`EngineConfig`; keyword arguments override its fields.
 
     Raises:
-        InvalidArgumentError: a bad setting (unknown field, pool size, policy...).
+        InvalidArgumentError: a bad setting (unknown field, pool size, policy, a device this
+            process cannot use...).
         UnsupportedModelError: the model is not a supported family.
+
+    The engine runs in the model's dtype (load it in bf16 for a bf16 engine, KV pool included)
+    on ``config.device``; with a device set, ``model`` is moved there in place. Do not move or
+    cast the model afterwards: the engine keeps its tensors as they were at construction.
 
     Example::
 
@@ -173,22 +249,33 @@ class LLMEngine:
         **kwargs,
     ) -> None:
         self.config = cfg = _resolve_config(config, kwargs)
+        device = None if cfg.device is None else resolve_device(cfg.device)
         text_config = model.config.text_config
         self.max_model_len = cfg.max_model_len or text_config.max_position_embeddings
         self.vocab_size = text_config.vocab_size  # logit columns
         self.bus = bus if bus is not None else EventBus()
         self.allocator = TokenToKVPoolAllocator(cfg.num_kv_slots, cfg.page_size, self.bus)
         self.tree_cache = RadixCache(cfg.page_size, cfg.eviction_policy, self.allocator, self.bus)
+        self.encoder_cache = EncoderCache(cfg.encoder_cache_size)
+        scheduler_config = self._scheduler_config()
+        get_family(model.config)  # every check before the caller's model moves
+        if device is not None:
+            model.to(device)  # in place (nn.Module.to), as HF pipelines do
+        # Where every tensor of a step is made: the model's device, after the move (a bare
+        # "cuda" becomes the "cuda:0" the parameters went to), and its dtype.
+        self.device: torch.device = model.device
+        self.dtype: torch.dtype = model.dtype
         self.kv_cache = KVCache(
             num_blocks=cfg.num_kv_slots // cfg.page_size,
             block_size=cfg.page_size,
-            dtype=model.dtype,
-            device=model.device,
+            dtype=self.dtype,
+            device=self.device,
             **kv_cache_dims(model.config),
         )
-        self.vlm = PagedVLM(model, self.kv_cache)
-        self.encoder_cache = EncoderCache(cfg.encoder_cache_size)
-        self.scheduler = Scheduler(self.tree_cache, self._scheduler_config())
+        # After the move: the decoder keeps the model's tensors (RoPE's inv_freq, the packed
+        # weight copies of minirad.models.linear), which a later model.to() would not move.
+        self.vlm = PagedVLM(model, self.kv_cache, prepack=cfg.prepack_weights)
+        self.scheduler = Scheduler(self.tree_cache, scheduler_config)
         self.model_runner = ModelRunner(self.vlm, self.encoder_cache)
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -239,10 +326,31 @@ class LLMEngine:
         self.kv_events.sink = self.kv_event_publisher.publish
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> LLMEngine:
-        """Load a model directory with :func:`~minirad.models.load_model` and build an engine
-        (``kwargs`` as in the constructor)."""
-        model, processor = load_model(path)
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32, **kwargs
+    ) -> LLMEngine:
+        """Load a model directory with :func:`~minirad.models.load_model` in ``dtype`` (a
+        floating ``torch.dtype`` or its name, ``"bfloat16"``) and build an engine on it
+        (``kwargs`` as in the constructor). The settings, the device included, are checked
+        before any weight is read.
+
+        Raises:
+            InvalidArgumentError: a bad setting or dtype, a device this process cannot use, or
+                ``path`` is not a model directory.
+            UnsupportedModelError: the model is not a supported family.
+        """
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, dtype)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise InvalidArgumentError(
+                f"dtype must be a floating-point torch dtype (torch.float32, torch.bfloat16), "
+                f"got {dtype!r}"
+            )
+        settings = {k: v for k, v in kwargs.items() if k not in ("bus", "config")}
+        cfg = _resolve_config(kwargs.get("config"), settings)
+        if cfg.device is not None:
+            resolve_device(cfg.device)
+        model, processor = load_model(path, dtype=dtype)
         return cls(model, processor, **kwargs)
 
     # ------------------------------------------------------------------ requests
@@ -456,8 +564,8 @@ class LLMEngine:
         self._apply_grammars(chosen, requests)
         tokens = self._sample_rows(chosen, requests)
         for row, request in zip(rows, requests, strict=True):
-            if request.logits is not None:
-                request.logits.append(logits[row].float().clone())
+            if request.logits is not None:  # a copy on the CPU (no device memory kept)
+                request.logits.append(logits[row].to("cpu", torch.float32, copy=True))
         return tokens
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:

@@ -86,8 +86,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
             f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}"
         )
     # Word w, bit k -> token 32 w + k (little-endian bit order, as the backends write it).
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, :vocab]
-    logits.masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
+    # Unpacked on the logits' device: the packed words (a bit per token) move, not the mask
+    # (the matchers fill the bitmask on the CPU).
+    dev = logits.device
+    bits = _BITS if dev.type == "cpu" else _BITS.to(dev)
+    allowed = ((bitmask.to(dev).unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 class Grammar:

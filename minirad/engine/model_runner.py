@@ -54,6 +54,8 @@ class ModelRunner:
     def __init__(self, vlm: PagedVLM, encoder_cache: EncoderCache) -> None:
         self.vlm = vlm
         self.encoder_cache = encoder_cache
+        # The engine's device (its KV pool's): the batch tensors and image inputs of every
+        # step are made or moved there.
         self.device = vlm.kv_cache.k_cache.device
 
     def image_features(
@@ -110,6 +112,8 @@ class ModelRunner:
         The tower returns every image's rows in order (LLaVA: one tensor per image; Idefics3:
         one per tile), so the rows are cut by each image's placeholder count."""
         names = images[0].pixel_inputs
+        # To the engine's device; the dtype stays the processor's (fp32): the tower casts
+        # pixels to its weights' dtype itself, as in HF's generate() (CLIP / SigLIP embeddings).
         inputs = {
             k: torch.cat([im.pixel_inputs[k] for im in images]).to(self.device) for k in names
         }

@@ -337,7 +337,8 @@ class RequestOutput:
         finished: no more tokens will come.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None.
         stats: the request's :class:`RequestStats` (a snapshot).
-        logits: ``[len(token_ids), vocab]`` raw next-token logits (fp32), if asked for.
+        logits: ``[len(token_ids), vocab]`` raw next-token logits (fp32, on the CPU whatever
+            the engine's device), if asked for.
         error: with finish reason ``"error"``, what failed (a
             :class:`~minirad.errors.MiniradError` when the request itself was at fault, such
             as a grammar past its resource limits; any other exception is the engine's).

@@ -7,6 +7,20 @@ which other requests share the batch, or on whether it was preempted and recompu
 Follows vLLM's ``v1/sample/sampler.py`` / ``ops/topk_topp_sampler.py`` (filters) and HF's
 ``TopKLogitsWarper`` / ``TopPLogitsWarper`` (semantics: ties at the k-th logit are kept, the
 most likely token always survives top-p).
+
+Devices: the logits may be on any device (the engine's), in any float dtype. Greedy rows take
+their argmax where the logits are. Sampled rows are copied to the CPU in fp32, and drawn there
+with the request's CPU generator. Why on the CPU and not with a generator on the device:
+
+- a seed then names the same stream on every machine: CUDA's generator (Philox) and the
+  CPU's (Mersenne Twister) draw different numbers from one seed, so a seeded request would
+  answer differently on a GPU than on a laptop, and the engine's tests, on the CPU, would not
+  pin down what a GPU run does;
+- a generator belongs to its request: made when the request is added (``add_request``), before
+  any step, and kept through preemption and recomputation, it needs no device of its own;
+- the cost is one copy of the sampled rows, ``[rows, vocab]`` fp32 (a few hundred KB for a
+  50k vocabulary) per step, small beside the forward pass. (vLLM makes seeded requests'
+  generators on the GPU instead, to sample big batches without that copy.)
 """
 
 from __future__ import annotations
@@ -46,10 +60,11 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 def sample_one(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> int:
-    """One token id from ``logits`` ``[V]`` (any dtype; computed in fp32)."""
+    """One token id from ``logits`` ``[V]`` (any dtype, any device; drawn in fp32 on the CPU,
+    where ``generator`` lives: the module docstring says why)."""
     if params.greedy:
         return int(logits.argmax())
-    x = logits.float().cpu()  # the generators live on the CPU
+    x = logits.float().cpu()
     # Shifted so the largest logit is 0 before dividing: a tiny temperature then sends the
     # others to -inf instead of the largest to inf (inf - inf: NaN probabilities).
     x = (x - x.max()) / params.temperature
@@ -63,9 +78,12 @@ def sample(
     generators: Sequence[torch.Generator | None],
 ) -> list[int]:
     """Next token of each row of ``logits`` ``[B, V]``, row ``i`` with ``params[i]`` and
-    ``generators[i]``."""
+    ``generators[i]``: the argmax on the logits' device for greedy rows, the others drawn on
+    the CPU (one copy of those rows for the batch)."""
     tokens = logits.argmax(-1).tolist()
-    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            tokens[i] = sample_one(logits[i], p, g)
+    drawn = [i for i, (p, _) in enumerate(zip(params, generators, strict=True)) if not p.greedy]
+    if drawn:
+        rows = logits[drawn].float().cpu()
+        for i, row in zip(drawn, rows, strict=True):
+            tokens[i] = sample_one(row, params[i], generators[i])
     return tokens

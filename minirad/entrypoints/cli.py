@@ -92,6 +92,8 @@ JSONL_FIELDS = {
 # --help and a bad choice answer without importing torch; test_cli checks they agree.
 PREFIX_STRATEGIES = ("radix", "truncate", "none")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
+# --dtype: the model's (and so the engine's and its KV pool's) dtype, torch's names.
+DTYPES = ("float32", "bfloat16")
 # The shipped model's training prompts hold one image each (minirad.course.train: the user turn is
 # one image item, then the question), so several images are outside what it learned.
 ONE_IMAGE_MODEL = DEFAULT_MODEL_DIR.resolve()
@@ -305,18 +307,25 @@ def _load_engine(args: argparse.Namespace, **settings) -> LLMEngine:
     """The engine over ``args.model`` (a folder :func:`check_model_dir` accepted).
 
     Raises:
-        InvalidArgumentError: no loadable model in the folder.
+        InvalidArgumentError: no loadable model in the folder; a ``--device`` this machine
+            cannot use.
     """
     import torch
     from transformers.utils import logging as hf_logging
 
-    from minirad.engine import LLMEngine
+    from minirad.engine import LLMEngine, resolve_device
 
+    try:  # before the weights load: a device this machine lacks is refused at once
+        resolve_device(args.device)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"--device: {e}") from None
     # The course's models are tiny: a second intra-op thread only adds synchronisation.
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()  # "Loading weights" bars would bury the answer
     try:
-        return LLMEngine.from_pretrained(args.model, **settings)
+        return LLMEngine.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype), device=args.device, **settings
+        )
     except MiniradError:
         raise
     except (OSError, ValueError) as e:  # transformers: no config, weights or processor files
@@ -662,6 +671,24 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="send prompts as written (already templated, with image placeholders)",
     )
     p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    _add_device_options(p)
+
+
+def _add_device_options(p: argparse.ArgumentParser) -> None:
+    """Where the engine runs and in which dtype (every command that loads the model)."""
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model and the KV pool live: cpu, cuda, cuda:1, mps (checked before "
+        "the model loads)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="the model's dtype, and so the KV pool's: bfloat16 halves their memory (answers "
+        "may then differ from float32's where two tokens are nearly tied)",
+    )
 
 
 class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -772,6 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
         "started in; '/' allows any readable path)",
     )
     s.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    _add_device_options(s)
     s.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,

@@ -5,12 +5,13 @@ Why not call the HF module? HF's attention keeps a contiguous per-sequence cache
 ``[batch, seq]`` layout. A serving engine needs the opposite: many sequences at different
 stages (prefill chunks next to single-token decodes) in ONE flat batch of tokens, with K/V in a
 shared pool of slots (:mod:`minirad.models.paged_attention`). So we rewrite the ~40 lines of the
-layer loop and keep everything else from HF: the weights (read from the modules each step, never
-copied), the RoPE frequencies ``rotary_emb.inv_freq`` and ``attention_scaling`` (so scaled
-variants such as llama3 or YaRN come out as HF computes them), the norm epsilons, the MLP
-activation and the softmax scale.
+layer loop and keep everything else from HF: the weights (the modules' own tensors, plus on a
+CPU a copy prepacked for steps of a few rows: :mod:`minirad.models.linear`), the RoPE
+frequencies ``rotary_emb.inv_freq`` and ``attention_scaling`` (so scaled variants such as
+llama3 or YaRN come out as HF computes them), the norm epsilons, the MLP activation and the
+softmax scale.
 
-One decoder layer (Llama; Qwen2 is the same plus biases on q/k/v, which ``F.linear`` picks up
+One decoder layer (Llama; Qwen2 is the same plus biases on q/k/v, which the linears pick up
 from the modules)::
 
     h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q), RoPE(k)
@@ -24,6 +25,8 @@ layout.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +34,7 @@ from torch import nn
 from minirad.errors import InvalidArgumentError, UnsupportedModelError
 from minirad.kvcache.kv_pool import KVCache
 from minirad.models.forward_batch import ForwardBatch
+from minirad.models.linear import Linear
 from minirad.models.paged_attention import split_batch, varlen_paged_attention
 
 __all__ = ["SUPPORTED_TEXT_MODELS", "PagedDecoder", "check_text_config", "kv_cache_dims"]
@@ -86,14 +90,19 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype) * norm.weight
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dim (HF's RoPE layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def _layer_linears(layer: nn.Module, prepack: bool) -> SimpleNamespace:
+    """A decoder layer's seven projections as :class:`~minirad.models.linear.Linear`, by
+    their HF names (``q_proj`` ... ``down_proj``)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    modules = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    modules |= {n: getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}
+    return SimpleNamespace(**{n: Linear(m, prepack) for n, m in modules.items()})
 
 
 class PagedDecoder:
@@ -106,13 +115,17 @@ class PagedDecoder:
         lm_head: the output projection (``model.lm_head``; tied to ``embed_tokens`` or not).
         kv_cache: the pool K/V are written to and read from; its ``num_layers``,
             ``num_kv_heads`` and ``head_dim`` must match the model (:func:`kv_cache_dims`).
+        prepack: on a CPU, keep a oneDNN-packed copy of each weight matrix for steps of a
+            few rows (:mod:`minirad.models.linear`).
 
     Raises:
         UnsupportedModelError: see :func:`check_text_config`.
         InvalidArgumentError: ``kv_cache`` does not fit the model.
     """
 
-    def __init__(self, text_model: nn.Module, lm_head: nn.Linear, kv_cache: KVCache) -> None:
+    def __init__(
+        self, text_model: nn.Module, lm_head: nn.Linear, kv_cache: KVCache, prepack: bool = True
+    ) -> None:
         config = text_model.config
         check_text_config(config)
         dims = kv_cache_dims(config)
@@ -133,6 +146,9 @@ class PagedDecoder:
         # Flat [num_slots, num_kv_heads, head_dim] views of each layer, made once: views share
         # the pool's storage, so writes through them land in kv_cache.k_cache / v_cache.
         self.kv_views = [kv_cache.layer(i) for i in range(kv_cache.num_layers)]
+        # Each layer's projections by HF's names: linears[i].q_proj(h) is h Wq of layer i.
+        self.linears = [_layer_linears(layer, prepack) for layer in text_model.layers]
+        self.lm_head_linear = Linear(lm_head, prepack)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``cos, sin`` of shape ``[T, 1, head_dim]`` for positions ``[T]`` (HF's formula)."""
@@ -158,21 +174,20 @@ class PagedDecoder:
         cos, sin = self.rope(batch.positions, x.dtype)
         # Decodes and prefills in separate calls, so no decode is padded to a prompt's length.
         groups = split_batch(batch.slot_mapping, batch.kv_slots, batch.seq_lens, batch.query_lens)
-        for layer, (k_cache, v_cache) in zip(self.text_model.layers, self.kv_views, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
+        layers = zip(self.text_model.layers, self.linears, self.kv_views, strict=True)
+        for layer, w, (k_cache, v_cache) in layers:
             h = rms_norm(x, layer.input_layernorm)
-            q = linear(h, attn.q_proj).view(T, self.num_heads, self.head_dim)
-            k = linear(h, attn.k_proj).view(T, self.num_kv_heads, self.head_dim)
-            v = linear(h, attn.v_proj).view(T, self.num_kv_heads, self.head_dim)
+            q = w.q_proj(h).view(T, self.num_heads, self.head_dim)
+            k = w.k_proj(h).view(T, self.num_kv_heads, self.head_dim)
+            v = w.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            o = varlen_paged_attention(q, k, v, k_cache, v_cache, groups, attn.scaling)
-            x = x + linear(o.reshape(T, -1), attn.o_proj)
+            o = varlen_paged_attention(q, k, v, k_cache, v_cache, groups, layer.self_attn.scaling)
+            x = x + w.o_proj(o.reshape(T, -1))
             h = rms_norm(x, layer.post_attention_layernorm)
-            gate_up = mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj)  # SwiGLU
-            x = x + linear(gate_up, mlp.down_proj)
+            x = x + w.down_proj(layer.mlp.act_fn(w.gate_proj(h)) * w.up_proj(h))  # SwiGLU
         # The final norm is per token, so only the rows that need logits go through it.
         x = x.index_select(0, batch.logits_indices)
-        return linear(rms_norm(x, self.text_model.norm), self.lm_head)
+        return self.lm_head_linear(rms_norm(x, self.text_model.norm))
 
     __call__ = forward

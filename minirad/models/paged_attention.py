@@ -299,7 +299,8 @@ def reference_attention(
     k = k.repeat_interleave(H // KV, dim=1)  # GQA: each KV head serves H // KV query heads
     v = v.repeat_interleave(H // KV, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    future = torch.arange(S)[None, :] > torch.arange(S - n, S)[:, None]  # [n, S]
+    pos = torch.arange(S, device=q.device)
+    future = pos[None, :] > pos[S - n :, None]  # [n, S]
     scores = scores.masked_fill(future, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
 

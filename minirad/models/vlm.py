@@ -67,17 +67,20 @@ class PagedVLM:
             :data:`~minirad.models.FAMILIES` (e.g. from :func:`~minirad.models.load_model`).
         kv_cache: the KV pool (dims from :func:`~minirad.models.kv_cache_dims` of
             ``model.config``).
+        prepack: keep oneDNN-packed copies of the text weights on a CPU
+            (:mod:`minirad.models.linear`).
 
     Raises:
         UnsupportedModelError: the model's family or text decoder is not supported.
         InvalidArgumentError: ``kv_cache`` does not fit the model.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, prepack: bool = True) -> None:
         self.model = model
         self.family: VLMFamily = get_family(model.config)
         self.image_token_id: int = model.config.image_token_id
-        self.decoder = PagedDecoder(self.family.text_model(model), model.lm_head, kv_cache)
+        text_model = self.family.text_model(model)
+        self.decoder = PagedDecoder(text_model, model.lm_head, kv_cache, prepack)
 
     @property
     def kv_cache(self) -> KVCache:
