@@ -7,10 +7,13 @@ real vLLM joins, on the shipped model (the ``vllm_python`` fixture: skipped with
 ``make vllm``, except in CI); without its venv the command says how to build it.
 """
 
+import dataclasses
 import re
+import stat
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from test_cli import TINY_CHAT_TEMPLATE
 from tiny_models import IMAGE_SIZE, bytes_per_token, tiny_llava, tiny_llava_processor
@@ -23,6 +26,7 @@ from minirad.bench.engine import (
     unique_workload,
 )
 from minirad.bench.peer import kv_memory
+from minirad.bench.rss import RSSPeak
 from minirad.engine import EngineConfig
 from minirad.errors import InvalidArgumentError, PeerError
 from minirad.peers import vllm_env
@@ -127,6 +131,28 @@ def test_kv_memory_of_every_run(llava, results):
         assert report_row(report, row) == want, row
 
 
+def test_peak_rss_of_every_run(results):
+    """HF and minirad run in this process: each run's peak of its resident memory (weights
+    included), reset before the run, in the report's RSS rows."""
+    for r in results:
+        for run in r.runs:
+            assert run.rss is not None and 0 < run.rss.start <= run.rss.peak, run.name
+    report = format_report(results)
+    for row, field in (("peak RSS, MiB", "peak"), ("  at run start, MiB", "start")):
+        want = [[f"{getattr(x.rss, field) / 2**20:.0f}" for x in r.runs] for r in results]
+        assert report_row(report, row) == want, row
+    assert "RSS: resident memory of the processes that run the system" in report
+
+
+def test_peak_rss_row_says_na_where_not_measured(results):
+    hf = results[0].hf
+    unmeasured = dataclasses.replace(
+        results[0], hf=dataclasses.replace(hf, rss=RSSPeak(start=None, peak=None))
+    )
+    cells = report_row(format_report([unmeasured]), "peak RSS, MiB")[0]
+    assert cells[0] == "n/a" and all(c != "n/a" for c in cells[1:])
+
+
 def test_kv_memory_of_vllm_rejects_tensors_that_are_not_its_blocks():
     info = {"num_gpu_blocks": 4, "block_size": 32}
     good = {"shape": [4, 2, 32, 64], "element_size": 4}
@@ -157,6 +183,31 @@ def test_command_line_on_a_saved_model(llava, tmp_path, capsys):
     assert e.value.code == 2
 
 
+def test_command_line_in_bf16_without_prepacked_weights(llava, tmp_path, capsys):
+    """``--dtype bfloat16``: HF and minirad both load the model in bf16 and the report says
+    so; answers that differ at bf16 near-ties are counted, not a failure."""
+    model, processor = llava
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    argv = ["engine", "--model", str(tmp_path), "--images", "1", "--questions", "2"]
+    argv += ["--unique", "2", "--batch-size", "2", "--max-new-tokens", "3", "--repeat", "1"]
+    assert bench_main(argv + ["--dtype", "bfloat16", "--no-prepack-weights"]) == 0
+    out = capsys.readouterr().out
+    assert "fastest of 1 runs, in bfloat16" in out
+    kv_row = next(ln for ln in out.splitlines() if ln.startswith("KV bytes/token"))
+    assert kv_row.split()[-1] == str(bytes_per_token(model) // 2)  # bf16 KV, model in fp32
+
+
+def test_command_line_refuses_a_device_it_cannot_use(llava, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as e:
+        bench_main(["engine", "--model", str(tmp_path), "--device", "cuda"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "'cuda' is not available" in err and "Traceback" not in err
+
+
 def test_prompt_tokens_are_counted_without_padding(results):
     for r in results:
         none = r.minirad[1]
@@ -177,6 +228,43 @@ def test_peer_vllm_without_its_venv_says_how_to_build_it(llava, tmp_path, capsys
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "make vllm" in err and "Traceback" not in err
+
+
+def fake_vllm_venv(path, record):
+    """A vLLM venv whose Python records the worker's VLLM_CPU_OMP_THREADS_BIND and exits."""
+    python = path / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        f'#!/bin/sh\necho "${{VLLM_CPU_OMP_THREADS_BIND-unset}}" > {record}\nexit 1\n'
+    )
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    (path / ".installed").touch()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("option", "seen"), [(["--peer-omp-threads-bind", "0-1"], "0-1"), ([], "unset")]
+)
+def test_peer_omp_threads_bind_reaches_the_worker(
+    llava, tmp_path, capsys, monkeypatch, option, seen
+):
+    """``--peer-omp-threads-bind`` becomes the worker's VLLM_CPU_OMP_THREADS_BIND; without it
+    the worker inherits this environment (here: unset, vLLM's ``auto``)."""
+    record = tmp_path / "bind"
+    monkeypatch.setattr(vllm_env, "VLLM_VENV", fake_vllm_venv(tmp_path / "venv", record))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with pytest.raises(SystemExit) as e:
+        bench_main(["engine", "--model", str(tmp_path), "--peer", "vllm", *option])
+    assert e.value.code == 2
+    assert "vLLM worker exited" in capsys.readouterr().err
+    assert record.read_text().strip() == seen
+
+
+def test_peer_omp_threads_bind_needs_a_peer(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_main(["engine", "--model", str(tmp_path), "--peer-omp-threads-bind", "0-1"])
+    assert e.value.code == 2
+    assert "give --peer" in capsys.readouterr().err
 
 
 def test_peer_vllm_end_to_end(vllm_python, capsys):
@@ -210,3 +298,11 @@ def test_peer_vllm_end_to_end(vllm_python, capsys):
         tokens = int(usage[3].split()[0])
         assert 0 < tokens <= 4096 and tokens % 32 == 0  # sampled, in whole blocks
         assert held[3] == "n/a"
+    # RSS: vLLM's processes together hold at least a Python with torch each; the worker's
+    # per-process lines give each one's.
+    for peak, start in zip(
+        report_row(out, "peak RSS, MiB"), report_row(out, "  at run start, MiB"), strict=True
+    ):
+        assert all(0 < int(s) <= int(p) for p, s in zip(peak, start, strict=True))
+        assert int(start[3]) > int(start[0])  # three processes against one
+    assert re.search(r"VLLM::Worker \(pid \d+\): .*, RSS \d+ MiB", out)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from minirad.bench.rss import RSSPeak
 from minirad.bench.trace import ChatTrace, TraceRequest
 from minirad.cluster.replicas import POLICIES, WorkerCounters
 from minirad.errors import InvalidArgumentError
@@ -86,6 +87,8 @@ class RunResult:
         prompt_token_ids: each request's prompt as the model saw it (no padding).
         num_cached_tokens: per request, its prompt tokens reused from the prefix cache.
         kv: the run's KV pool and peaks (None: not measured, e.g. HF).
+        rss: resident memory at the run's start and its peak during the run, of the
+            processes that run it (:func:`~minirad.bench.rss.peak_rss`; None: not measured).
     """
 
     name: str
@@ -99,6 +102,7 @@ class RunResult:
     prompt_token_ids: list[list[int]] = field(default_factory=list)
     num_cached_tokens: list[int] = field(default_factory=list)
     kv: KVMemory | None = None
+    rss: RSSPeak | None = None
 
     @property
     def output_tokens(self) -> int:

@@ -25,6 +25,7 @@ from PIL import Image
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from minirad.bench.common import KVMemory, RunResult, Workload
+from minirad.bench.rss import peak_rss
 from minirad.course.scenes import (
     CAPTION_PROMPT,
     DEFAULT_IMAGE_SIZE,
@@ -33,7 +34,13 @@ from minirad.course.scenes import (
     random_scene,
     render,
 )
-from minirad.engine import PREFIX_STRATEGIES, GenerateRequest, LLMEngine, SamplingParams
+from minirad.engine import (
+    PREFIX_STRATEGIES,
+    GenerateRequest,
+    LLMEngine,
+    SamplingParams,
+    resolve_device,
+)
 from minirad.entrypoints.argtypes import positive_int
 from minirad.errors import InvalidArgumentError, PeerError
 from minirad.models import DEFAULT_MODEL_DIR, load_model
@@ -184,6 +191,7 @@ def run_hf(model, processor, workload: Workload, batch_size: int, max_new_tokens
             texts = [t for t, _ in batch]
             ims = [im for _, imgs in batch for im in imgs]
             inputs = processor(text=texts, images=ims or None, padding=True, return_tensors="pt")
+            inputs = inputs.to(model.device)
             timer = _FirstTokenTimer()
             seqs = model.generate(
                 **inputs,
@@ -306,7 +314,9 @@ def run_engine_benchmark(
     through ``peer`` (a real vLLM, if given), ``repeat`` times in turn, keeping each system's
     fastest run (as ``timeit`` does: on a shared machine the slower runs measure the other
     jobs). The peer's prefix, image and encoder caches are reset before each of its runs, as
-    each minirad run gets a fresh engine.
+    each minirad run gets a fresh engine. Every run's ``rss`` is the peak RSS of the
+    processes that run it, over the run (:func:`~minirad.bench.rss.peak_rss`: this process
+    for HF and minirad, vLLM's processes for the peer).
 
     One warm-up ``generate()`` first on every side, so that none pays for first-call costs.
 
@@ -332,13 +342,21 @@ def run_engine_benchmark(
     def fastest(a: RunResult | None, b: RunResult) -> RunResult:
         return b if a is None or b.seconds < a.seconds else a
 
+    def measured(run, *args, **kwargs) -> RunResult:
+        """``run(*args, **kwargs)`` with this process's peak RSS over it."""
+        with peak_rss() as memory:
+            result = run(*args, **kwargs)
+        result.rss = memory
+        return result
+
     results = []
     for w in workloads:
         hf, runs, peer_run = None, dict.fromkeys(strategies), None
         for _ in range(repeat):
-            hf = fastest(hf, run_hf(model, processor, w, batch_size, max_new_tokens))
+            hf = fastest(hf, measured(run_hf, model, processor, w, batch_size, max_new_tokens))
             for s in strategies:
-                run = run_minirad(
+                run = measured(
+                    run_minirad,
                     model,
                     processor,
                     w,
@@ -380,6 +398,10 @@ def _table(r: WorkloadResult) -> str:
     def kv(x: RunResult, cell) -> str:
         return "n/a" if x.kv is None else cell(x.kv)
 
+    def mib(x: RunResult, name: str) -> str:
+        value = None if x.rss is None else getattr(x.rss, name)
+        return "n/a" if value is None else f"{value / 2**20:.0f}"
+
     rows = [
         ("output tokens/s", [_cell(x.throughput, hf.throughput, ".1f") for x in runs]),
         (
@@ -409,6 +431,8 @@ def _table(r: WorkloadResult) -> str:
             "peak KV held, tokens",
             [kv(x, lambda m: m.percent(m.peak_held, m.pool_tokens)) for x in runs],
         ),
+        ("peak RSS, MiB", [mib(x, "peak") for x in runs]),
+        ("  at run start, MiB", [mib(x, "start") for x in runs]),
     ]
     names = [x.name for x in runs]
     w0 = max(len(k) for k, _ in rows)
@@ -444,15 +468,22 @@ def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | N
         "HF's prefill tokens include padding. Ratios in parentheses are x/HF.\n"
         "KV peaks in % of the pool. Usage: tokens running requests hold, sampled after every"
         " step (vLLM's KV cache usage; whole blocks); held: usage plus cached prefixes no"
-        " request holds (the allocator's true peak)."
+        " request holds (the allocator's true peak).\n"
+        "RSS: resident memory of the processes that run the system: its peak during the run"
+        " (VmHWM, reset as the run starts; n/a where /proc cannot) and what was resident as the"
+        " run started (weights, libraries, pools made before it);\n"
+        "HF and minirad share this process and its weights, each run after a garbage"
+        " collection and malloc_trim; minirad's KV pool is made in each run (in its peak only)."
     )
     if any(r.peer for r in results):
         note += (
             "\nvLLM: timed inside its worker process around LLM.generate; TTFT is vLLM's own"
             " (RequestOutput.metrics), per request from its arrival (queueing included);\n"
             "vLLM does not report vision-tower runs (n/a); its caches are reset before each"
-            " run; its front end and engine core are processes of their own, so it computes"
-            " on one core while it preprocesses on the other."
+            " run; its front end, engine core and model worker are processes of their own"
+            " (threads and CPUs below).\n"
+            "vLLM's RSS: the sum over those processes of each one's peak, its KV pool (made at"
+            " start-up) included; pages they share count in each process: an upper bound."
         )
     blocks = [_table(r) for r in results] + [note]
     if threads:
@@ -461,6 +492,7 @@ def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | N
 
 
 PEERS = ("vllm",)
+DTYPES = ("float32", "bfloat16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -480,6 +512,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenes")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
     parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="every system's weights, activations and KV (bfloat16: answers may differ at "
+        "near-ties, so differing answers are counted but do not fail the run)",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where HF and minirad run (cpu, cuda, cuda:1...)"
+    )
+    parser.add_argument(
+        "--no-prepack-weights",
+        dest="prepack_weights",
+        action="store_false",
+        help="minirad without oneDNN-packed weight copies (EngineConfig.prepack_weights)",
+    )
+    parser.add_argument(
         "--repeat", type=positive_int, default=3, help="runs per system; the fastest is kept"
     )
     parser.add_argument(
@@ -496,13 +544,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(num_gpu_blocks_override; e.g. num-kv-slots / 32 + 1 for minirad's pool); "
         "default: what 1 GiB holds",
     )
+    parser.add_argument(
+        "--peer-omp-threads-bind",
+        default=None,
+        metavar="CPUS",
+        help="the CPUs of vLLM's OpenMP compute threads, one thread per CPU "
+        "(VLLM_CPU_OMP_THREADS_BIND: e.g. 0-1 for both cores of a 2-core machine, auto, "
+        "nobind); default: vLLM's auto (on a small machine one core for compute, the other "
+        "left to its front end)",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Run ``python -m minirad.bench engine``: print the report; exit 1 if answers differ.
+    """Run ``python -m minirad.bench engine``: print the report; exit 1 if answers differ in
+    fp32 (in bf16, kernels that add in other orders may break near-ties differently).
 
     Raises:
-        InvalidArgumentError: no model folder, or ``--peer-num-gpu-blocks`` without a peer.
+        InvalidArgumentError: no model folder, ``--peer-num-gpu-blocks`` or
+            ``--peer-omp-threads-bind`` without a peer, a ``--device`` this process cannot use
+            (:func:`~minirad.engine.resolve_device`), or a peer with a device other than cpu.
         PeerError: ``--peer vllm`` without the vLLM venv (the message says how to build it),
             or the vLLM worker failed.
     """
@@ -510,6 +570,11 @@ def run_cli(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"model folder {args.model!r} not found")
     if args.peer_num_gpu_blocks is not None and args.peer is None:
         raise InvalidArgumentError("--peer-num-gpu-blocks sizes the peer's pool: give --peer")
+    if args.peer_omp_threads_bind is not None and args.peer is None:
+        raise InvalidArgumentError("--peer-omp-threads-bind binds the peer's threads: give --peer")
+    device = resolve_device(args.device)
+    if device.type != "cpu" and args.peer is not None:
+        raise InvalidArgumentError(f"--peer {args.peer} is a CPU build: run it with --device cpu")
     torch.set_num_threads(args.threads)
     transformers.logging.disable_progress_bar()  # "Loading weights" bars would mix with the report
     with contextlib.ExitStack() as stack:
@@ -522,9 +587,12 @@ def run_cli(args: argparse.Namespace) -> int:
                     args.model,
                     max_num_seqs=args.batch_size,
                     num_gpu_blocks_override=args.peer_num_gpu_blocks,
+                    omp_threads_bind=args.peer_omp_threads_bind,
+                    dtype=args.dtype,
                 )
             )
-        model, processor = load_model(args.model)
+        model, processor = load_model(args.model, dtype=getattr(torch, args.dtype))
+        model.to(device)
         workloads = default_workloads(
             processor, args.images, args.questions, args.unique, args.seed
         )
@@ -538,10 +606,12 @@ def run_cli(args: argparse.Namespace) -> int:
             peer=peer,
             num_kv_slots=args.num_kv_slots,
             page_size=args.page_size,
+            prepack_weights=args.prepack_weights,
         )
         from minirad.bench.peer import report_threads  # peer.py imports bench.engine's types
 
         threads = report_threads(peer)
     print(format_report(results, threads))
-    print(f"Each system's fastest of {args.repeat} runs.")
-    return int(any(r.mismatches(x) for r in results for x in r.runs[1:]))
+    print(f"Each system's fastest of {args.repeat} runs, in {args.dtype}.")
+    differ = any(r.mismatches(x) for r in results for x in r.runs[1:])
+    return int(differ and args.dtype == "float32")

@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from minirad.bench.common import KVMemory, RunResult, Workload, thread_settings
+from minirad.bench.rss import RSSPeak
 from minirad.errors import InvalidArgumentError, PeerError
 from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
 from minirad.models import DEFAULT_MODEL_DIR
@@ -54,6 +55,11 @@ class VLLMPeer:
         structured_outputs_backend: vLLM's grammar backend for structured outputs
             (``structured_outputs_config.backend``: ``"guidance"`` is llguidance, as ours);
             None: vLLM's default (``"auto"``).
+        omp_threads_bind: the CPUs of the model worker's OpenMP threads, one per CPU
+            (``VLLM_CPU_OMP_THREADS_BIND`` in the worker's environment: ``"0-1"``, ``"0,1"``,
+            ``"auto"``, ``"nobind"``); None: as in this environment (unset: vLLM's
+            ``"auto"``, which on a small machine keeps a core for the front end).
+        dtype: the dtype vLLM computes in (``"float32"``, ``"bfloat16"``).
         start_timeout: seconds to wait for the engine to come up.
         timeout: seconds to wait for any other answer.
         python: the vLLM venv's Python (default :func:`~minirad.peers.vllm_env.vllm_python`).
@@ -73,6 +79,8 @@ class VLLMPeer:
         max_num_seqs: int = 8,
         num_gpu_blocks_override: int | None = None,
         structured_outputs_backend: str | None = None,
+        omp_threads_bind: str | None = None,
+        dtype: str = "float32",
         start_timeout: float = 600.0,
         timeout: float = 600.0,
         python: str | os.PathLike | None = None,
@@ -87,12 +95,15 @@ class VLLMPeer:
         os.close(fd)
         cmd = [str(python), "-P", str(WORKER), "--model", str(model)]
         cmd += ["--max-num-seqs", str(max_num_seqs), "--block-size", str(VLLM_BLOCK_SIZE)]
+        cmd += ["--dtype", dtype]
         if num_gpu_blocks_override is not None:
             cmd += ["--num-gpu-blocks-override", str(num_gpu_blocks_override)]
         if structured_outputs_backend is not None:
             cmd += ["--structured-outputs-backend", structured_outputs_backend]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM refuses to start without
+        if omp_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
         # O_APPEND: the worker's writes land at the end even while the tail is being read.
         try:
             with open(self.log_path, "ab") as log:
@@ -142,7 +153,9 @@ class VLLMPeer:
             if it kept no metrics), ``num_cached_tokens`` per request, ``prefill_tokens`` =
             prompt tokens minus cached ones, ``encoder_calls`` None (vLLM does not report
             vision-tower runs), ``kv`` from :func:`kv_memory` (``peak_held`` None: vLLM
-            counts free cached blocks as free and reports no count of them).
+            counts free cached blocks as free and reports no count of them), ``rss`` of
+            vLLM's processes around the call (the worker's front end, engine core and model
+            worker; see :func:`~minirad.bench.rss.peak_rss`).
 
         Raises:
             PeerError: the worker failed, died or timed out.
@@ -178,6 +191,7 @@ class VLLMPeer:
             prompt_token_ids=prompts,
             num_cached_tokens=cached,
             kv=kv_memory(self.info, reply["kv_cache_usage"]["peak"]),
+            rss=RSSPeak(**reply["rss"]),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -345,9 +359,9 @@ def kv_memory(info: dict, peak_usage: float | None) -> KVMemory:
 
 def describe_threads(info: dict) -> str:
     """vLLM's pool, then one line per process of the worker (its front end first, then the
-    engine core and the model worker vLLM started): threads, the CPUs they may run on, and
-    the OpenMP / vLLM thread variables vLLM set in its environment (``info`` as in
-    :attr:`VLLMPeer.info`)."""
+    engine core and the model worker vLLM started): threads, the CPUs they may run on, the
+    OpenMP / vLLM thread variables vLLM set in its environment, and its resident memory as
+    the info was read (``info`` as in :attr:`VLLMPeer.info`)."""
     lines = [
         f"{info['num_gpu_blocks']} blocks of {info['block_size']} tokens (vLLM logs "
         f"{info['kv_cache_size_tokens']} tokens), max_num_seqs "
@@ -358,7 +372,10 @@ def describe_threads(info: dict) -> str:
         role = f", front end, torch {info['frontend_torch_threads']} threads" if i == 0 else ""
         cpus = ", ".join(f"{n} on cpus {c}" for c, n in sorted(p["cpus"].items()))
         env = "".join(f" {k}={v}" for k, v in sorted(p["env"].items()))
-        lines.append(f"  {p['name']} (pid {p['pid']}{role}): {p['threads']} threads, {cpus}{env}")
+        mem = "" if p.get("rss") is None else f", RSS {p['rss'] / 2**20:.0f} MiB"
+        lines.append(
+            f"  {p['name']} (pid {p['pid']}{role}): {p['threads']} threads, {cpus}{env}{mem}"
+        )
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ Run as ``.venv-vllm/bin/python -P minirad/bench/vllm_worker.py --model DIR [opti
 :class:`minirad.bench.peer.VLLMPeer`, never imported: vLLM cannot live in the course venv
 (``minirad/peers/vllm_env.py``), so this file imports only the standard library, PIL, msgspec and
 vLLM, none of minirad (``-P`` keeps this folder off ``sys.path``: its ``trace.py`` would
-shadow the standard library's).
+shadow the standard library's), but for ``rss.py`` beside it (standard library only), loaded
+by its path, which measures memory as the engine benchmark does.
 
 It builds one offline ``vllm.LLM`` on the model (block size 32, float32, ``max_model_len``
 512, eager, prefix caching on), then answers commands until ``quit`` or the end of its input.
@@ -20,7 +21,9 @@ then that many bytes of msgpack. Commands arrive on stdin as maps with an ``op``
   ``StructuredOutputsParams`` (``{"json": schema}``...), applied to every request.
   Reply ``{"ok": true, "seconds": float, "outputs": [...]}`` where ``seconds`` is the
   wall time of the ``generate`` call (PNG decoding excluded), ``kv_cache_usage`` is
-  ``{"peak": float | None, "samples": int}`` (see :class:`_UsageSampler`) and each output is
+  ``{"peak": float | None, "samples": int}`` (see :class:`_UsageSampler`), ``rss`` is
+  ``{"start": int | None, "peak": int | None}``, bytes over this process and its descendants
+  (the engine core, the model worker) around the call (``rss.peak_rss``), and each output is
   ``{"token_ids", "prompt_token_ids", "num_cached_tokens", "finish_reason", "ttft",
   "ttft_from_start"}``. ``ttft``: vLLM's own ``RequestOutput.metrics.first_token_latency``,
   seconds from the request's arrival (stamped as the front end starts preprocessing it, after
@@ -42,14 +45,29 @@ serving; a frame it cannot decode ends it with exit code 3.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import os
 import struct
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 FRAME = struct.Struct(">I")
+
+
+def _load_rss():
+    """``minirad/bench/rss.py``, loaded by its path (this folder is not on ``sys.path``)."""
+    name = "minirad_bench_rss"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("rss.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclass looks its module up while it is defined
+    spec.loader.exec_module(module)
+    return module
+
+
+rss = _load_rss()
 
 
 class _Channel:
@@ -102,6 +120,11 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _engine_pids() -> list[int]:
+    """This process (vLLM's front end) and its descendants (the engine core, its workers)."""
+    return [os.getpid(), *_descendants(os.getpid())]
+
+
 _OMP_VARS = (
     "OMP_NUM_THREADS",
     "OMP_PLACES",
@@ -114,8 +137,9 @@ _OMP_VARS = (
 
 
 def _process(pid: int) -> dict:
-    """One process: name, thread count, how many threads may run on which CPUs, and the
-    OpenMP / vLLM thread variables in its environment (what vLLM set for its workers)."""
+    """One process: name, thread count, how many threads may run on which CPUs, the
+    OpenMP / vLLM thread variables in its environment (what vLLM set for its workers) and its
+    resident memory now (bytes; None if unreadable)."""
     with open(f"/proc/{pid}/comm") as f:
         name = f.read().strip()
     cpus: Counter[str] = Counter()
@@ -136,7 +160,14 @@ def _process(pid: int) -> dict:
                     env[key] = value
     except OSError:
         pass
-    return {"pid": pid, "name": name, "threads": sum(cpus.values()), "cpus": dict(cpus), "env": env}
+    return {
+        "pid": pid,
+        "name": name,
+        "threads": sum(cpus.values()),
+        "cpus": dict(cpus),
+        "env": env,
+        "rss": rss.rss([pid]),
+    }
 
 
 def _kv_cache_tensors(worker) -> list[dict]:
@@ -193,7 +224,7 @@ def _info(llm, kv_cache_tensors: list[dict]) -> dict:
 
     config = llm.llm_engine.vllm_config
     processes = []
-    for pid in [os.getpid(), *_descendants(os.getpid())]:
+    for pid in _engine_pids():
         try:
             processes.append(_process(pid))
         except OSError:
@@ -234,10 +265,11 @@ def _generate(llm, usage: _UsageSampler, command: dict) -> dict:
         structured_outputs=None if structured is None else StructuredOutputsParams(**structured),
     )
     usage.reset()
-    wall0 = time.time()
-    t0 = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    with rss.peak_rss(_engine_pids) as memory:
+        wall0 = time.time()
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
     kv_cache_usage = {"peak": usage.peak, "samples": usage.samples}
     outputs = []
     for r in results:
@@ -256,7 +288,13 @@ def _generate(llm, usage: _UsageSampler, command: dict) -> dict:
                 "ttft_from_start": from_start,
             }
         )
-    return {"ok": True, "seconds": seconds, "kv_cache_usage": kv_cache_usage, "outputs": outputs}
+    return {
+        "ok": True,
+        "seconds": seconds,
+        "kv_cache_usage": kv_cache_usage,
+        "rss": {"start": memory.start, "peak": memory.peak},
+        "outputs": outputs,
+    }
 
 
 def _reset(llm) -> dict:
@@ -287,6 +325,7 @@ def main() -> int:
         "--num-gpu-blocks-override", type=int, default=None, help="KV pool in blocks (+1 null)"
     )
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", help="vLLM's dtype (float32, bfloat16)")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -309,7 +348,7 @@ def main() -> int:
     llm = LLM(
         model=args.model,
         block_size=args.block_size,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=True,
         enable_prefix_caching=True,
