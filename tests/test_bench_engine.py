@@ -193,7 +193,7 @@ def test_command_line_in_bf16_without_prepacked_weights(llava, tmp_path, capsys)
     argv += ["--unique", "2", "--batch-size", "2", "--max-new-tokens", "3", "--repeat", "1"]
     assert bench_main(argv + ["--dtype", "bfloat16", "--no-prepack-weights"]) == 0
     out = capsys.readouterr().out
-    assert "fastest of 1 runs, in bfloat16" in out
+    assert "fastest of 1 runs, in bfloat16; minirad without prepacked weights." in out
     kv_row = next(ln for ln in out.splitlines() if ln.startswith("KV bytes/token"))
     assert kv_row.split()[-1] == str(bytes_per_token(model) // 2)  # bf16 KV, model in fp32
 

@@ -498,6 +498,7 @@ def test_bad_inputs_are_refused_before_the_engine_import(tiny_dir, tmp_path):
         (gen + ["--temperature", "inf"], "--temperature: must be a finite number >= 0, got inf"),
         (gen + ["--top-p", "2"], "argument --top-p: must be in (0, 1], got 2.0"),
         (gen + ["--top-k", "-5"], "argument --top-k: must be an int >= 0 (0: off), got -5"),
+        (gen + ["--threads", "99999"], "argument --threads: must be at most"),  # crashed
         (gen + ["--image", img, "--prompt", "w10 <image>"], "the prompt contains '<image>'"),
         (gen + ["--image", img, "--raw"], "has 0 '<image>' placeholder(s) but 1 image(s)"),
         (gen + ["--raw", "--prompt", "<image> w1"], "1 '<image>' placeholder(s) but 0 image(s)"),

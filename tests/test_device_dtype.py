@@ -176,6 +176,9 @@ def test_an_unusable_device_is_refused_with_what_is_available(shipped):
         LLMEngine(model, processor, device="cuda:x")
     with pytest.raises(InvalidArgumentError, match=r"'meta' is not available"):
         LLMEngine(model, processor, device="meta")  # holds no data: nothing to serve from
+    with pytest.raises(InvalidArgumentError, match=r"^device 'xxx.*\.\.\..*xxx' is not a") as e:
+        LLMEngine(model, processor, device="x" * 100_000)  # a pasted blob: one short line
+    assert len(str(e.value)) < 200
     if not torch.backends.mps.is_available():
         with pytest.raises(InvalidArgumentError, match=r"'mps' is not available"):
             LLMEngine(model, processor, device="mps")
@@ -210,7 +213,7 @@ def test_a_gpu_index_past_the_count_is_refused(monkeypatch):
 
 
 def test_from_pretrained_refuses_a_dtype_that_is_not_floating_point():
-    for dtype in (torch.int8, "int8", "float33", 32):
+    for dtype in (torch.int8, "int8", "float33", 32, torch.float8_e4m3fn, "float8_e5m2"):
         with pytest.raises(InvalidArgumentError, match="floating-point torch dtype"):
             LLMEngine.from_pretrained(DEFAULT_MODEL_DIR, dtype=dtype)
 

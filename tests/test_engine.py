@@ -37,6 +37,7 @@ from minirad.engine import (
 from minirad.errors import ImageError, InvalidArgumentError, RequestError
 from minirad.events import EventRecorder, StepEvent
 from minirad.kvcache.multimodal import pad_input_ids
+from minirad.models import cascade_attention, paged_attention
 
 ATOL = 1e-4
 MAX_NEW = 8
@@ -665,4 +666,32 @@ def test_a_request_failing_after_its_step_finishes_once(llava, monkeypatch):
     assert ok.finish_reason == "length" and engine.stats.num_finished == 3
     finished = [rid for e in recorder.events if isinstance(e, StepEvent) for rid in e.finished]
     assert sorted(finished) == sorted(["a", "b", ok.rid])
+    assert_idle(engine)
+
+
+def test_decodes_sharing_a_prefix_match_hf_through_cascade_attention(model, processor, monkeypatch):
+    """Requests that reuse one cached prefix decode together through cascade attention (its
+    threshold lowered: the tiny models' K/V rows are too small to reach it) and still give
+    HF's tokens and logits."""
+    monkeypatch.setattr(cascade_attention, "MIN_SAVED_BYTES", 1)
+    prefixes = []  # every SharedPrefix attended through (a recording pass-through)
+    cascade = paged_attention.cascade_decode
+    monkeypatch.setattr(
+        paged_attention,
+        "cascade_decode",
+        lambda q, k, v, prefix, scale: prefixes.append(prefix) or cascade(q, k, v, prefix, scale),
+    )
+    prompt = "<s> w10 w11 <image> w12 w13"
+    cases = [(prompt + s, [IMG_A]) for s in ("", " w30", " w31 w32", " w33 w34 w35")]
+    refs = [hf_generate(model, processor, text, images) for text, images in cases]
+    engine = LLMEngine(model, processor)
+    outputs = engine.generate(requests(cases[:1]))  # caches the prefix
+    outputs += engine.generate(requests(cases[1:]))  # three decodes that share it
+    assert_matches_hf(outputs, refs)
+    assert prefixes and max(p.slots.shape[0] for p in prefixes) >= 5
+    off = LLMEngine(model, processor, cascade_attention=False)
+    prefixes.clear()
+    off.generate(requests(cases[:1]))
+    assert [o.token_ids for o in off.generate(requests(cases[1:]))] == [t for t, _ in refs[1:]]
+    assert not prefixes
     assert_idle(engine)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from minirad.errors import InvalidArgumentError
 from minirad.kvcache.kv_pool import KVCache, slot_mapping
+from minirad.models.cascade_attention import MIN_SAVED_BYTES
 from minirad.models.paged_attention import (
     AttentionMetadata,
     block_table_to_kv_slots,
@@ -21,11 +22,14 @@ from minirad.models.paged_attention import (
 HEAD_DIM = 8
 
 
-def run_case(seqs, block_size, num_heads, num_kv_heads, seed):
+def run_case(seqs, block_size, num_heads, num_kv_heads, seed, shared=0, kv_row_bytes=None):
     """Each seq is ``(prefix_len, query_len)``. The prefix K/V already sit in the pool (written
     at the sequence's slots beforehand), the new K/V go in through paged_attention. Blocks are
     drawn from a shuffled free list, so no sequence's context is contiguous; every slot not in
-    use holds large random values, so reading a wrong or padding slot unmasked shows up."""
+    use holds large random values, so reading a wrong or padding slot unmasked shows up.
+    ``shared`` (a multiple of ``block_size``, at most every prefix): the sequences' first
+    ``shared`` tokens are the same tokens in the same blocks, as the radix tree shares them;
+    ``kv_row_bytes`` as in AttentionMetadata.build (None: no cascade)."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     lens = [p + q for p, q in seqs]
@@ -37,13 +41,17 @@ def run_case(seqs, block_size, num_heads, num_kv_heads, seed):
     v_cache.copy_(torch.randn(v_cache.shape, generator=g) * 100)
     free = list(range(num_blocks))
     rng.shuffle(free)
+    shared_blocks = [free.pop() for _ in range(shared // block_size)]
+    shared_k = torch.randn(shared, num_kv_heads, HEAD_DIM, generator=g)
+    shared_v = torch.randn(shared, num_kv_heads, HEAD_DIM, generator=g)
 
     block_tables, ks, vs, qs = [], [], [], []
     for (p, q), n, nb in zip(seqs, lens, blocks_per_seq, strict=True):
-        table = [free.pop() for _ in range(nb)]
+        table = shared_blocks + [free.pop() for _ in range(nb - len(shared_blocks))]
         block_tables.append(table)
         k = torch.randn(n, num_kv_heads, HEAD_DIM, generator=g)
         v = torch.randn(n, num_kv_heads, HEAD_DIM, generator=g)
+        k[:shared], v[:shared] = shared_k, shared_v
         prefix = torch.tensor(slot_mapping(table, range(p), block_size), dtype=torch.int64)
         k_cache[prefix], v_cache[prefix] = k[:p], v[:p]
         ks.append(k)
@@ -60,7 +68,12 @@ def run_case(seqs, block_size, num_heads, num_kv_heads, seed):
     ]
     query_lens = torch.tensor([q for _, q in seqs])
     meta = AttentionMetadata.build(
-        torch.tensor(new_slots), kv_slots, torch.tensor(lens), query_lens, int(query_lens.max())
+        torch.tensor(new_slots),
+        kv_slots,
+        torch.tensor(lens),
+        query_lens,
+        int(query_lens.max()),
+        kv_row_bytes,
     )
     new_k = torch.cat([k[p:] for k, (p, _) in zip(ks, seqs, strict=True)])
     new_v = torch.cat([v[p:] for v, (p, _) in zip(vs, seqs, strict=True)])
@@ -80,7 +93,9 @@ def run_case(seqs, block_size, num_heads, num_kv_heads, seed):
     pool_after = k_cache.clone(), v_cache.clone()
     k_cache.copy_(pool_before[0])
     v_cache.copy_(pool_before[1])
-    groups = split_batch(torch.tensor(new_slots), kv_slots, torch.tensor(lens), query_lens)
+    groups = split_batch(
+        torch.tensor(new_slots), kv_slots, torch.tensor(lens), query_lens, kv_row_bytes
+    )
     out = varlen_paged_attention(torch.cat(qs), new_k, new_v, k_cache, v_cache, groups, scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(k_cache, pool_after[0]) and torch.equal(v_cache, pool_after[1])
@@ -135,6 +150,45 @@ def test_uniform_decode_batch_needs_no_gather():
     meta, groups = run_case([(3, 1), (9, 1), (0, 1)], 4, 4, 2, seed=2)
     assert meta.query_index is None and meta.output_index is None
     assert len(groups) == 1 and groups[0].rows == slice(0, 3)
+
+
+@settings(max_examples=30)
+@given(
+    suffixes=st.lists(st.integers(0, 12), min_size=2, max_size=5),  # cached past the prefix
+    shared=st.sampled_from([16, 32, 48]),
+    block_size=st.sampled_from([1, 4, 16]),
+    heads=st.sampled_from([(4, 2), (4, 4), (6, 1)]),
+    seed=st.integers(0, 2**16),
+)
+def test_decodes_sharing_a_prefix_attend_to_it_once(suffixes, shared, block_size, heads, seed):
+    """Decodes whose contexts begin with the same slots take the cascade path, and it equals
+    dense attention over each whole context (run_case checks), suffixes of any lengths."""
+    seqs = [(shared + s, 1) for s in suffixes]
+    # A K/V row counted as MIN_SAVED_BYTES: any shared token pays for the cascade.
+    meta, groups = run_case(seqs, block_size, *heads, seed, shared, MIN_SAVED_BYTES)
+    prefix = meta.shared_prefix
+    assert prefix is not None and prefix.slots.shape[0] >= shared  # more if suffixes agree
+    assert prefix.suffix_real.sum(1).tolist() == [
+        shared + s + 1 - prefix.slots.shape[0] for s in suffixes
+    ]
+
+
+def test_no_cascade_below_the_threshold_for_one_sequence_or_prefills():
+    # Three decodes sharing 16 tokens save 2 * 16 rows of copies per layer.
+    meta, _ = run_case(
+        [(16, 1)] * 3, 1, 4, 2, seed=5, shared=16, kv_row_bytes=MIN_SAVED_BYTES // 32
+    )
+    assert meta.shared_prefix is not None
+    meta, _ = run_case(
+        [(16, 1)] * 3, 1, 4, 2, seed=5, shared=16, kv_row_bytes=MIN_SAVED_BYTES // 33
+    )
+    assert meta.shared_prefix is None  # too little to pay for a second call
+    meta, _ = run_case([(20, 1)], 4, 4, 2, seed=6, shared=16, kv_row_bytes=MIN_SAVED_BYTES)
+    assert meta.shared_prefix is None  # one sequence: nothing to share
+    meta, _ = run_case([(20, 3), (20, 2)], 4, 4, 2, seed=7, shared=16, kv_row_bytes=MIN_SAVED_BYTES)
+    assert meta.shared_prefix is None  # prefill chunks attend as usual
+    meta, _ = run_case([(20, 1)] * 3, 4, 4, 2, seed=8, shared=16)
+    assert meta.shared_prefix is None  # no kv_row_bytes: cascade off
 
 
 def test_block_table_expansion_matches_slot_mapping():

@@ -346,6 +346,7 @@ def test_sigterm_with_a_half_sent_request_exits_within_the_graceful_timeout():
             time.sleep(0.1)
         info = httpx.get(f"{base}/server_info").json()  # 9: no folder of the server's
         assert not os.path.isabs(info["model_path"]), info
+        assert (info["device"], info["dtype"]) == ("cpu", "float32"), info
         half = socket.create_connection(("127.0.0.1", port))
         half.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -20,6 +20,9 @@
   the requests with a fresh picture: req/s, p50 / p99 latency, and the text-only requests'
   p99 (:mod:`minirad.bench.load`).
 
+- ``decode``: one decode step of the model, ms per step with HF's weights, with prepacked
+  weights and with cascade attention over a shared prefix (:mod:`minirad.bench.decode`).
+
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands, importing only the one it runs (``engine`` pulls in
 transformers: seconds of start-up that ``radix`` does not need).
@@ -46,6 +49,8 @@ _COMMANDS = {  # subcommand (= module name) -> help
     "req/s",
     "load": "a running server under closed-loop load, half the requests with fresh pictures: "
     "req/s, p50 / p99 latency",
+    "decode": "one decode step of B requests sharing a prefix: plain, prepacked weights, "
+    "cascade attention",
 }
 
 

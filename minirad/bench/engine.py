@@ -41,7 +41,7 @@ from minirad.engine import (
     SamplingParams,
     resolve_device,
 )
-from minirad.entrypoints.argtypes import positive_int
+from minirad.entrypoints.argtypes import positive_int, thread_count
 from minirad.errors import InvalidArgumentError, PeerError
 from minirad.models import DEFAULT_MODEL_DIR, load_model
 
@@ -510,7 +510,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool, tokens")
     parser.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenes")
-    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    parser.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads")
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -521,11 +521,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", help="where HF and minirad run (cpu, cuda, cuda:1...)"
     )
-    parser.add_argument(
+    parser.add_argument(  # "%(default)s" in the help: argparse adds no "(default: True)"
         "--no-prepack-weights",
         dest="prepack_weights",
         action="store_false",
-        help="minirad without oneDNN-packed weight copies (EngineConfig.prepack_weights)",
+        help="minirad without its oneDNN-packed weight copies (EngineConfig.prepack_weights: "
+        "%(default)s without this flag, False with it)",
     )
     parser.add_argument(
         "--repeat", type=positive_int, default=3, help="runs per system; the fastest is kept"
@@ -612,6 +613,10 @@ def run_cli(args: argparse.Namespace) -> int:
 
         threads = report_threads(peer)
     print(format_report(results, threads))
-    print(f"Each system's fastest of {args.repeat} runs, in {args.dtype}.")
+    # A saved report must say how it was run: the dtype, a device other than the CPU, and
+    # minirad without its prepacked weights (the memory and speed rows change with each).
+    where = "" if device.type == "cpu" else f" on {device}"
+    packed = "" if args.prepack_weights else "; minirad without prepacked weights"
+    print(f"Each system's fastest of {args.repeat} runs, in {args.dtype}{where}{packed}.")
     differ = any(r.mismatches(x) for r in results for x in r.runs[1:])
     return int(differ and args.dtype == "float32")

@@ -35,7 +35,7 @@ from minirad.course.scenes import (
 )
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.engine.grammar import JSON_DEFAULTS, GrammarCompiler, GrammarLogitsProcessor
-from minirad.entrypoints.argtypes import positive_int
+from minirad.entrypoints.argtypes import positive_int, thread_count
 from minirad.entrypoints.chat_utils import chat_prompt
 from minirad.errors import InvalidArgumentError
 from minirad.models import DEFAULT_MODEL_DIR, load_model
@@ -554,7 +554,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="most tokens an answer may get (a 3-shape answer is 86)",
     )
-    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    parser.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads")
     parser.add_argument(
         "--repeat", type=positive_int, default=3, help="runs per system; the fastest is kept"
     )

@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import reprlib
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -97,6 +98,8 @@ class EngineConfig:
         prepack_weights: on a CPU, also keep a oneDNN-packed copy of the text model's weights
             for steps of a few rows, decode steps above all (:mod:`minirad.models.linear`): one
             more copy of those weights in memory for faster decode steps.
+        cascade_attention: decodes that share a long prefix attend to it once
+            (:mod:`minirad.models.cascade_attention`; vLLM's ``disable_cascade_attn`` off).
     """
 
     num_kv_slots: int = 4096
@@ -116,6 +119,7 @@ class EngineConfig:
     jump_forward: bool = True
     device: str | torch.device | None = None
     prepack_weights: bool = True
+    cascade_attention: bool = True
 
 
 @dataclass
@@ -154,6 +158,8 @@ def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfi
 # Accelerator backends a device string may name, each a torch module with ``is_available()``
 # and ``device_count()`` (torch.cuda, torch.xpu, torch.mps).
 _ACCELERATORS = ("cuda", "xpu", "mps")
+_SHOW = reprlib.Repr()  # resolve_device's messages: device strings cut at 80 characters
+_SHOW.maxstring = _SHOW.maxother = 80
 
 
 def available_devices() -> list[str]:
@@ -180,11 +186,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
             message names the device and :func:`available_devices`.
     """
     available = f"available here: {', '.join(available_devices())}"
+    # The device as the messages show it: a 100 kB command-line string stays one short line.
+    shown = _SHOW.repr(str(device) if isinstance(device, torch.device) else device)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise InvalidArgumentError(
-            f"device {device!r} is not a torch device (write e.g. 'cpu', 'cuda', 'cuda:1', "
+            f"device {shown} is not a torch device (write e.g. 'cpu', 'cuda', 'cuda:1', "
             f"'mps'); {available}"
         ) from None
     if dev.type == "cpu":
@@ -196,12 +204,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
             if backend is not None
             else f"the engine runs on cpu, {', '.join(_ACCELERATORS)}"
         )
-        raise InvalidArgumentError(f"device {str(device)!r} is not available: {why}; {available}")
+        raise InvalidArgumentError(f"device {shown} is not available: {why}; {available}")
     count = backend.device_count()
     if dev.index is not None and dev.index >= count:
         raise InvalidArgumentError(
-            f"device {str(device)!r} does not exist: torch sees {count} {dev.type} device(s); "
-            f"{available}"
+            f"device {shown} does not exist: torch sees {count} {dev.type} device(s); {available}"
         )
     return dev
 
@@ -274,7 +281,9 @@ class LLMEngine:
         )
         # After the move: the decoder keeps the model's tensors (RoPE's inv_freq, the packed
         # weight copies of minirad.models.linear), which a later model.to() would not move.
-        self.vlm = PagedVLM(model, self.kv_cache, prepack=cfg.prepack_weights)
+        self.vlm = PagedVLM(
+            model, self.kv_cache, prepack=cfg.prepack_weights, cascade=cfg.cascade_attention
+        )
         self.scheduler = Scheduler(self.tree_cache, scheduler_config)
         self.model_runner = ModelRunner(self.vlm, self.encoder_cache)
         self.processor = processor
@@ -341,10 +350,11 @@ class LLMEngine:
         """
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, dtype)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        # float8 is floating too, but no weights load in it ("couldn't find storage object").
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
             raise InvalidArgumentError(
-                f"dtype must be a floating-point torch dtype (torch.float32, torch.bfloat16), "
-                f"got {dtype!r}"
+                f"dtype must be a floating-point torch dtype of 16 bits or more (torch.float32, "
+                f"torch.bfloat16), got {dtype!r}"
             )
         settings = {k: v for k, v in kwargs.items() if k not in ("bus", "config")}
         cfg = _resolve_config(kwargs.get("config"), settings)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from minirad.engine.sampling_params import SamplingParams
 from minirad.errors import RequestError
 
-__all__ = ["non_negative_float", "positive_int", "prompt_text", "sampling_arg"]
+__all__ = ["non_negative_float", "positive_int", "prompt_text", "sampling_arg", "thread_count"]
 
 
 def port(text: str) -> int:
@@ -34,6 +35,25 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from e
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def thread_count(text: str) -> int:
+    """``argparse`` type: torch intra-op threads, 1 to 4 per CPU of this machine.
+
+    Beyond the CPU count threads only wait on each other (the headroom keeps a command written
+    for a bigger machine, ``--threads 2``, working on one core); tens of thousands crashed the
+    process (``--threads 99999``: "can't start new thread" in the weight loader, a segfault).
+
+    Raises:
+        argparse.ArgumentTypeError: not an int, < 1, or more than 4 x ``os.cpu_count()``.
+    """
+    value = positive_int(text)
+    cpus = os.cpu_count() or 1
+    if value > 4 * cpus:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {4 * cpus} (4 per CPU; this machine has {cpus}), got {value}"
+        )
     return value
 
 

@@ -42,6 +42,7 @@ from minirad.entrypoints.argtypes import (
     positive_int,
     prompt_text,
     sampling_arg,
+    thread_count,
 )
 from minirad.entrypoints.chat_utils import chat_prompt
 from minirad.errors import (
@@ -670,7 +671,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send prompts as written (already templated, with image placeholders)",
     )
-    p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads")
     _add_device_options(p)
 
 
@@ -798,7 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="image file paths must lie in this folder ('.' is the folder the server is "
         "started in; '/' allows any readable path)",
     )
-    s.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    s.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads")
     _add_device_options(s)
     s.add_argument(
         "--shutdown-timeout",

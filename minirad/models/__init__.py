@@ -2,7 +2,8 @@
 
 - :class:`ForwardBatch` (``forward_batch.py``): one step's tokens, positions and KV slots.
 - :class:`PagedDecoder` (``decoder.py``): Llama / Qwen2 layers over HF weights, attention
-  through :mod:`minirad.models.paged_attention`.
+  through :mod:`minirad.models.paged_attention` (and :mod:`minirad.models.cascade_attention`
+  for decodes that share a prefix), matmuls through :mod:`minirad.models.linear`.
 - :class:`VLMFamily`, :func:`get_family`, :func:`load_model` (``families.py``): which VLMs we
   run and where their parts live.
 - :class:`PagedVLM`, :func:`image_features_for_chunk` (``vlm.py``): images into a prefill.

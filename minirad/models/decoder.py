@@ -4,8 +4,8 @@ model's weights, with attention through the paged KV cache.
 Why not call the HF module? HF's attention keeps a contiguous per-sequence cache and a padded
 ``[batch, seq]`` layout. A serving engine needs the opposite: many sequences at different
 stages (prefill chunks next to single-token decodes) in ONE flat batch of tokens, with K/V in a
-shared pool of slots (:mod:`minirad.models.paged_attention`). So we rewrite the ~40 lines of the
-layer loop and keep everything else from HF: the weights (the modules' own tensors, plus on a
+shared pool of slots (:mod:`minirad.models.paged_attention`). So we rewrite the dozen lines of
+the layer loop and keep everything else from HF: the weights (the modules' own tensors, plus on a
 CPU a copy prepacked for steps of a few rows: :mod:`minirad.models.linear`), the RoPE
 frequencies ``rotary_emb.inv_freq`` and ``attention_scaling`` (so scaled variants such as
 llama3 or YaRN come out as HF computes them), the norm epsilons, the MLP activation and the
@@ -117,6 +117,8 @@ class PagedDecoder:
             ``num_kv_heads`` and ``head_dim`` must match the model (:func:`kv_cache_dims`).
         prepack: on a CPU, keep a oneDNN-packed copy of each weight matrix for steps of a
             few rows (:mod:`minirad.models.linear`).
+        cascade: decodes that share a prefix attend to it once
+            (:mod:`minirad.models.cascade_attention`).
 
     Raises:
         UnsupportedModelError: see :func:`check_text_config`.
@@ -124,7 +126,12 @@ class PagedDecoder:
     """
 
     def __init__(
-        self, text_model: nn.Module, lm_head: nn.Linear, kv_cache: KVCache, prepack: bool = True
+        self,
+        text_model: nn.Module,
+        lm_head: nn.Linear,
+        kv_cache: KVCache,
+        prepack: bool = True,
+        cascade: bool = True,
     ) -> None:
         config = text_model.config
         check_text_config(config)
@@ -149,6 +156,8 @@ class PagedDecoder:
         # Each layer's projections by HF's names: linears[i].q_proj(h) is h Wq of layer i.
         self.linears = [_layer_linears(layer, prepack) for layer in text_model.layers]
         self.lm_head_linear = Linear(lm_head, prepack)
+        self.cascade = cascade
+        self.kv_row_bytes = 2 * self.num_kv_heads * self.head_dim * kv_cache.k_cache.itemsize
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``cos, sin`` of shape ``[T, 1, head_dim]`` for positions ``[T]`` (HF's formula)."""
@@ -173,7 +182,13 @@ class PagedDecoder:
         T = x.shape[0]
         cos, sin = self.rope(batch.positions, x.dtype)
         # Decodes and prefills in separate calls, so no decode is padded to a prompt's length.
-        groups = split_batch(batch.slot_mapping, batch.kv_slots, batch.seq_lens, batch.query_lens)
+        groups = split_batch(
+            batch.slot_mapping,
+            batch.kv_slots,
+            batch.seq_lens,
+            batch.query_lens,
+            self.kv_row_bytes if self.cascade else None,
+        )
         layers = zip(self.text_model.layers, self.linears, self.kv_views, strict=True)
         for layer, w, (k_cache, v_cache) in layers:
             h = rms_norm(x, layer.input_layernorm)

@@ -24,6 +24,12 @@ FLOPs, dominates at this size.
 The index tensors (:class:`AttentionMetadata`) depend only on the batch, not on the layer, so
 they are built once per forward and shared by every layer.
 
+A decode batch whose sequences begin with the same slots (the radix tree hands every request
+that shares a prefix the very same slots) attends to that prefix once for all of them
+(:mod:`minirad.models.cascade_attention`): the prefix's K/V are gathered once instead of
+once per sequence, and the two partial softmaxes are merged by their log-sum-exps, as
+FlashInfer's cascade attention and Hydragen do on a GPU.
+
 The engine splits a step that mixes decodes and prefills in two such calls
 (:func:`split_batch`, :func:`varlen_paged_attention`): one for its decodes, one for its prefills.
 With one call, a step of one 77-token prompt and seven decodes would pad every decode to 77
@@ -39,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from minirad.errors import InvalidArgumentError
+from minirad.models.cascade_attention import SharedPrefix, cascade_decode
 
 __all__ = [
     "AttentionGroup",
@@ -67,6 +74,8 @@ class AttentionMetadata:
             reshape, the common all-decode case).
         output_index: ``[T]`` int64, the padded output row of each token; None with
             ``query_index``.
+        shared_prefix: for a decode batch, the prefix its sequences share
+            (:meth:`~minirad.models.cascade_attention.SharedPrefix.find`), else None.
     """
 
     slot_mapping: torch.Tensor
@@ -74,6 +83,7 @@ class AttentionMetadata:
     mask: torch.Tensor
     query_index: torch.Tensor | None
     output_index: torch.Tensor | None
+    shared_prefix: SharedPrefix | None = None
 
     @property
     def batch_size(self) -> int:
@@ -91,6 +101,7 @@ class AttentionMetadata:
         seq_lens: torch.Tensor,
         query_lens: torch.Tensor,
         max_query_len: int,
+        kv_row_bytes: int | None = None,
     ) -> AttentionMetadata:
         """Index tensors for a batch.
 
@@ -101,6 +112,9 @@ class AttentionMetadata:
             query_lens: ``[B]`` int64, new tokens per sequence, each in ``1 .. seq_lens[b]``.
             max_query_len: ``max(query_lens)``, passed as an int so that no device sync is
                 needed to size the padding.
+            kv_row_bytes: bytes of one context token's K and V in one layer: with it, a
+                decode batch whose sequences share a long enough prefix attends to it once
+                (:meth:`~minirad.models.cascade_attention.SharedPrefix.find`); None: never.
 
         Raises:
             InvalidArgumentError: the shapes disagree. (Values are not checked here: that
@@ -133,7 +147,9 @@ class AttentionMetadata:
             query_index = torch.where(valid, starts[:, None] + rows[None, :], 0)
             # Row-major order of the valid cells is token order (sequence after sequence).
             output_index = torch.arange(B * max_query_len, device=dev)[valid.flatten()]
-        return cls(slot_mapping, kv_slots, mask.unsqueeze(1), query_index, output_index)
+        cascade = kv_row_bytes is not None and max_query_len == 1
+        shared = SharedPrefix.find(kv_slots, seq_lens, kv_row_bytes) if cascade else None
+        return cls(slot_mapping, kv_slots, mask.unsqueeze(1), query_index, output_index, shared)
 
 
 def paged_attention(
@@ -163,6 +179,8 @@ def paged_attention(
     """
     k_cache.index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
+    if metadata.shared_prefix is not None:
+        return cascade_decode(q, k_cache, v_cache, metadata.shared_prefix, scale)
     # The paged read: [B, S, num_kv_heads, head_dim], padding slots included (masked below).
     # index_select on the flat index rather than advanced indexing with a 2-D index tensor:
     # this gather is the largest memory traffic of a decode step.
@@ -208,6 +226,7 @@ def split_batch(
     kv_slots: torch.Tensor,
     seq_lens: torch.Tensor,
     query_lens: torch.Tensor,
+    kv_row_bytes: int | None = None,
 ) -> list[AttentionGroup]:
     """Split a batch (arguments as in :meth:`AttentionMetadata.build`) in two attention
     groups when it mixes decodes and prefills: the sequences with one new token, padded only
@@ -223,7 +242,9 @@ def split_batch(
         raise InvalidArgumentError("an empty batch has nothing to attend")
     is_decode = [q == 1 for q in q_lens]
     if all(is_decode) or not any(is_decode):
-        meta = AttentionMetadata.build(slot_mapping, kv_slots, seq_lens, query_lens, max(q_lens))
+        meta = AttentionMetadata.build(
+            slot_mapping, kv_slots, seq_lens, query_lens, max(q_lens), kv_row_bytes
+        )
         return [AttentionGroup(slice(0, slot_mapping.shape[0]), meta)]
     if seq_lens.shape != query_lens.shape or sum(q_lens) != slot_mapping.shape[0]:
         raise InvalidArgumentError(
@@ -250,6 +271,7 @@ def split_batch(
             seq_lens.index_select(0, index),
             query_lens.index_select(0, index),
             max(q_lens[b] for b in seqs),
+            kv_row_bytes,
         )
         groups.append(AttentionGroup(rows, meta))
     return groups

@@ -69,18 +69,26 @@ class PagedVLM:
             ``model.config``).
         prepack: keep oneDNN-packed copies of the text weights on a CPU
             (:mod:`minirad.models.linear`).
+        cascade: decodes that share a prefix attend to it once
+            (:mod:`minirad.models.cascade_attention`).
 
     Raises:
         UnsupportedModelError: the model's family or text decoder is not supported.
         InvalidArgumentError: ``kv_cache`` does not fit the model.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, prepack: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        prepack: bool = True,
+        cascade: bool = True,
+    ) -> None:
         self.model = model
         self.family: VLMFamily = get_family(model.config)
         self.image_token_id: int = model.config.image_token_id
         text_model = self.family.text_model(model)
-        self.decoder = PagedDecoder(text_model, model.lm_head, kv_cache, prepack)
+        self.decoder = PagedDecoder(text_model, model.lm_head, kv_cache, prepack, cascade)
 
     @property
     def kv_cache(self) -> KVCache:

@@ -160,6 +160,9 @@ class OpenAIServing:
         limits = {
             "context_length": self.engine.max_model_len,
             "page_size": self.engine.config.page_size,
+            # Where and in what the engine computes, as SGLang's server args name them.
+            "device": str(self.engine.device),
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
         }
         return self._paths() | {"served_model_name": self.served_model_name} | limits
 
