@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
+from test_engine import hf_generate
 
 from minirad.engine import (
     GenerateRequest,
@@ -70,21 +71,9 @@ def assert_greedy_agrees(out, hf_tokens: list[int], hf_logits: torch.Tensor, rel
 
 
 def hf_greedy(model, processor, prompt: str, image, max_new_tokens: int):
-    """HF's greedy tokens and per-step logits ``[steps, vocab]`` for one request."""
-    inputs = processor(
-        text=[prompt], images=[Image.open(image).convert("RGB")], return_tensors="pt"
-    )
-    inputs = inputs.to(model.device)
-    with torch.no_grad():
-        hf = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = hf.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    return tokens, torch.stack(hf.logits)[:, 0]
+    """HF's greedy tokens and per-step logits ``[steps, vocab]`` for one request (``image``:
+    a path)."""
+    return hf_generate(model, processor, prompt, [Image.open(image).convert("RGB")], max_new_tokens)
 
 
 def requests(processor, cases, **kw) -> list[GenerateRequest]:

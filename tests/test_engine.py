@@ -74,7 +74,7 @@ def processor(family):
 @torch.no_grad()
 def hf_generate(model, processor, text, images, max_new_tokens=MAX_NEW, **kw):
     """HF's greedy tokens ``list[int]`` and logits ``[n, vocab]`` for one request."""
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    inputs = processor(text=text, images=images or None, return_tensors="pt").to(model.device)
     out = model.generate(
         **inputs,
         max_new_tokens=max_new_tokens,
