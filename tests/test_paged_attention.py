@@ -11,7 +11,9 @@ from minirad.errors import InvalidArgumentError
 from minirad.kvcache.kv_pool import KVCache, slot_mapping
 from minirad.models.cascade_attention import MIN_SAVED_BYTES
 from minirad.models.paged_attention import (
+    ATTENTION_CHUNK_BYTES,
     AttentionMetadata,
+    _decode_chunks,
     block_table_to_kv_slots,
     paged_attention,
     reference_attention,
@@ -189,6 +191,35 @@ def test_no_cascade_below_the_threshold_for_one_sequence_or_prefills():
     assert meta.shared_prefix is None  # prefill chunks attend as usual
     meta, _ = run_case([(20, 1)] * 3, 4, 4, 2, seed=8, shared=16)
     assert meta.shared_prefix is None  # no kv_row_bytes: cascade off
+
+
+@given(
+    lens=st.lists(st.integers(1, 3000), min_size=1, max_size=40),
+    row_bytes=st.sampled_from([None, 64, 1536, 46080, ATTENTION_CHUNK_BYTES]),
+)
+def test_decode_chunks_are_few_even_and_fit_the_budget(lens, row_bytes):
+    chunks = _decode_chunks(lens, row_bytes)
+    assert [i for c in chunks for i in c] == list(range(len(lens)))  # all, in order
+    if row_bytes is None:
+        assert len(chunks) == 1
+        return
+    fits = max(1, ATTENTION_CHUNK_BYTES // (max(lens) * row_bytes))
+    assert len(chunks) == -(-len(lens) // fits)  # as few as the budget allows
+    assert len({len(c) for c in chunks[:-1]}) <= 1 and len(chunks[-1]) <= len(chunks[0])
+    for c in chunks:
+        assert len(c) == 1 or len(c) * max(lens) * row_bytes <= ATTENTION_CHUNK_BYTES
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_decodes_cut_to_fit_the_cache_match_dense(block_size):
+    """Decodes, some beside a prefill, cut in groups of two by the budget: same outputs
+    (run_case compares), groups in row order."""
+    seqs = [(10, 1), (5, 1), (0, 4), (12, 1), (3, 1), (7, 1)]
+    row_bytes = ATTENTION_CHUNK_BYTES // (2 * 13)  # two contexts of at most 13 tokens fit
+    _, groups = run_case(seqs, block_size, 4, 2, seed=9, kv_row_bytes=row_bytes)
+    # Five decodes (13 tokens at most) in 3 groups: 2 + 2 + 1; then the prefill.
+    assert [g.metadata.batch_size for g in groups] == [2, 2, 1, 1]
+    assert [g.metadata.max_query_len for g in groups] == [1, 1, 1, 4]
 
 
 def test_block_table_expansion_matches_slot_mapping():

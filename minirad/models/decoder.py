@@ -187,7 +187,8 @@ class PagedDecoder:
             batch.kv_slots,
             batch.seq_lens,
             batch.query_lens,
-            self.kv_row_bytes if self.cascade else None,
+            self.kv_row_bytes,
+            self.cascade,
         )
         layers = zip(self.text_model.layers, self.linears, self.kv_views, strict=True)
         for layer, w, (k_cache, v_cache) in layers:

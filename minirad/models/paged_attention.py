@@ -33,7 +33,9 @@ FlashInfer's cascade attention and Hydragen do on a GPU.
 The engine splits a step that mixes decodes and prefills in two such calls
 (:func:`split_batch`, :func:`varlen_paged_attention`): one for its decodes, one for its prefills.
 With one call, a step of one 77-token prompt and seven decodes would pad every decode to 77
-query rows (a FlashAttention varlen kernel walks the ragged lengths instead).
+query rows (a FlashAttention varlen kernel walks the ragged lengths instead). Long decodes are
+cut further, into groups whose padded copy of K/V stays small enough to be read from the
+cores' caches (:data:`ATTENTION_CHUNK_BYTES`): past that, a step slows by more than its size.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from minirad.errors import InvalidArgumentError
 from minirad.models.cascade_attention import SharedPrefix, cascade_decode
 
 __all__ = [
+    "ATTENTION_CHUNK_BYTES",
     "AttentionGroup",
     "AttentionMetadata",
     "block_table_to_kv_slots",
@@ -227,11 +230,14 @@ def split_batch(
     seq_lens: torch.Tensor,
     query_lens: torch.Tensor,
     kv_row_bytes: int | None = None,
+    cascade: bool = True,
 ) -> list[AttentionGroup]:
-    """Split a batch (arguments as in :meth:`AttentionMetadata.build`) in two attention
-    groups when it mixes decodes and prefills: the sequences with one new token, padded only
-    to their longest context, and those with more, padded among themselves. A batch of one
-    kind stays one group.
+    """Split a batch (arguments as in :meth:`AttentionMetadata.build`) in attention groups:
+    the sequences with one new token (decodes), padded only to their longest context, apart
+    from those with more, padded among themselves. A batch of one kind stays one group, except
+    that with ``kv_row_bytes`` the decodes are cut into groups whose gathered contexts fit in
+    :data:`ATTENTION_CHUNK_BYTES` (:func:`_decode_chunks`), and ``cascade`` lets each decode
+    group attend to a shared prefix once.
 
     Raises:
         InvalidArgumentError: the batch is empty, or the shapes disagree (see
@@ -240,10 +246,12 @@ def split_batch(
     q_lens = query_lens.tolist()
     if not q_lens:
         raise InvalidArgumentError("an empty batch has nothing to attend")
+    cascade_bytes = kv_row_bytes if cascade else None
     is_decode = [q == 1 for q in q_lens]
-    if all(is_decode) or not any(is_decode):
+    chunks = _decode_chunks(seq_lens.tolist(), kv_row_bytes) if all(is_decode) else None
+    if not any(is_decode) or (chunks is not None and len(chunks) == 1):
         meta = AttentionMetadata.build(
-            slot_mapping, kv_slots, seq_lens, query_lens, max(q_lens), kv_row_bytes
+            slot_mapping, kv_slots, seq_lens, query_lens, max(q_lens), cascade_bytes
         )
         return [AttentionGroup(slice(0, slot_mapping.shape[0]), meta)]
     if seq_lens.shape != query_lens.shape or sum(q_lens) != slot_mapping.shape[0]:
@@ -255,26 +263,50 @@ def split_batch(
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
-    groups = []
-    # The two groups in the order of their first rows (decodes first if row 0 decodes).
-    for decode in sorted((True, False), key=is_decode.index):
-        seqs = [b for b, d in enumerate(is_decode) if d == decode]
+
+    def group(seqs: list[int]) -> AttentionGroup:
+        """The sequences ``seqs`` (indices into the batch) as a batch of their own."""
         if seqs == list(range(seqs[0], seqs[-1] + 1)):
             rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])
+            pick = slice(seqs[0], seqs[-1] + 1)
+            kv, lens, qs = kv_slots[pick], seq_lens[pick], query_lens[pick]
         else:
             rows = [r for b in seqs for r in range(starts[b], starts[b + 1])]
             rows = torch.tensor(rows, device=dev)
-        index = torch.tensor(seqs, device=dev)
+            index = torch.tensor(seqs, device=dev)
+            kv = kv_slots.index_select(0, index)
+            lens, qs = seq_lens.index_select(0, index), query_lens.index_select(0, index)
+        width, max_q = max(s_lens[b] for b in seqs), max(q_lens[b] for b in seqs)
         meta = AttentionMetadata.build(
-            slot_mapping[rows],
-            kv_slots.index_select(0, index)[:, : max(s_lens[b] for b in seqs)],
-            seq_lens.index_select(0, index),
-            query_lens.index_select(0, index),
-            max(q_lens[b] for b in seqs),
-            kv_row_bytes,
+            slot_mapping[rows], kv[:, :width], lens, qs, max_q, cascade_bytes
         )
-        groups.append(AttentionGroup(rows, meta))
+        return AttentionGroup(rows, meta)
+
+    groups = []
+    # The kinds in the order of their first rows (decodes first if row 0 decodes).
+    for decode in sorted(set(is_decode), key=is_decode.index):
+        seqs = [b for b, d in enumerate(is_decode) if d == decode]
+        lens = [s_lens[b] for b in seqs]
+        for chunk in _decode_chunks(lens, kv_row_bytes) if decode else [range(len(seqs))]:
+            groups.append(group([seqs[i] for i in chunk]))
     return groups
+
+
+# Bytes of K and V one decode group gathers per layer, at most: a padded copy small enough to
+# stay in the cores' caches while SDPA reads it (2-core Xeon, 4 MiB of L2 in all).
+ATTENTION_CHUNK_BYTES = 4 << 20
+
+
+def _decode_chunks(seq_lens: list[int], kv_row_bytes: int | None) -> list[range]:
+    """Consecutive groups of the decodes whose contexts ``seq_lens`` are, as few and as even
+    as allow each to gather at most :data:`ATTENTION_CHUNK_BYTES` (``kv_row_bytes``: one
+    token's K and V in one layer) or one sequence; one group without ``kv_row_bytes``."""
+    n = len(seq_lens)
+    if kv_row_bytes is None:
+        return [range(n)]
+    fits = max(1, ATTENTION_CHUNK_BYTES // (max(seq_lens) * kv_row_bytes))
+    size = -(-n // -(-n // fits))  # ceil(n / number of groups)
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 def varlen_paged_attention(
