@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from minirad.bench.common import thread_settings
-from minirad.entrypoints.argtypes import positive_int, thread_count
+from minirad.entrypoints.argtypes import DTYPES, positive_int, thread_count
 from minirad.errors import InvalidArgumentError
 from minirad.kvcache.kv_pool import KVCache
 from minirad.models import DEFAULT_MODEL_DIR, ForwardBatch, PagedVLM, kv_cache_dims, load_model
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared", type=_count, default=200, help="context tokens they share")
     parser.add_argument("--own", type=positive, default=50, help="context tokens of each one")
     parser.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--steps", type=positive, default=10, help="steps timed per round")
     parser.add_argument("--rounds", type=positive, default=3, help="rounds; the fastest is kept")
 

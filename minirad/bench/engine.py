@@ -41,7 +41,7 @@ from minirad.engine import (
     SamplingParams,
     resolve_device,
 )
-from minirad.entrypoints.argtypes import positive_int, thread_count
+from minirad.entrypoints.argtypes import DTYPES, positive_int, thread_count
 from minirad.errors import InvalidArgumentError, PeerError
 from minirad.models import DEFAULT_MODEL_DIR, load_model
 
@@ -492,7 +492,6 @@ def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | N
 
 
 PEERS = ("vllm",)
-DTYPES = ("float32", "bfloat16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

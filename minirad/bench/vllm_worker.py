@@ -7,8 +7,9 @@ vLLM, none of minirad (``-P`` keeps this folder off ``sys.path``: its ``trace.py
 shadow the standard library's), but for ``rss.py`` beside it (standard library only), loaded
 by its path, which measures memory as the engine benchmark does.
 
-It builds one offline ``vllm.LLM`` on the model (block size 32, float32, ``max_model_len``
-512, eager, prefix caching on), then answers commands until ``quit`` or the end of its input.
+It builds one offline ``vllm.LLM`` on the model (block size 32, float32 unless ``--dtype``,
+``max_model_len`` 512, eager, prefix caching on), then answers commands until ``quit`` or the
+end of its input.
 
 Protocol. vLLM logs to stdout and stderr, so the replies get a channel of their own: before
 vLLM is imported, the worker keeps its original stdout as the reply channel and points

@@ -8,7 +8,18 @@ import os
 from minirad.engine.sampling_params import SamplingParams
 from minirad.errors import RequestError
 
-__all__ = ["non_negative_float", "positive_int", "prompt_text", "sampling_arg", "thread_count"]
+__all__ = [
+    "DTYPES",
+    "non_negative_float",
+    "positive_int",
+    "prompt_text",
+    "sampling_arg",
+    "thread_count",
+]
+
+# --dtype of every command that loads a model: the model's (and so the engine's and its KV
+# pool's) dtype, by torch's names.
+DTYPES = ("float32", "bfloat16")
 
 
 def port(text: str) -> int:

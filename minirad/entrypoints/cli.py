@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from minirad.engine.sampling_params import SamplingParams
 from minirad.entrypoints.argtypes import (
+    DTYPES,
     non_negative_float,
     port,
     positive_int,
@@ -93,8 +94,6 @@ JSONL_FIELDS = {
 # --help and a bad choice answer without importing torch; test_cli checks they agree.
 PREFIX_STRATEGIES = ("radix", "truncate", "none")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
-# --dtype: the model's (and so the engine's and its KV pool's) dtype, torch's names.
-DTYPES = ("float32", "bfloat16")
 # The shipped model's training prompts hold one image each (minirad.course.train: the user turn is
 # one image item, then the question), so several images are outside what it learned.
 ONE_IMAGE_MODEL = DEFAULT_MODEL_DIR.resolve()

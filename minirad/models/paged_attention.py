@@ -247,9 +247,10 @@ def split_batch(
     if not q_lens:
         raise InvalidArgumentError("an empty batch has nothing to attend")
     cascade_bytes = kv_row_bytes if cascade else None
+    s_lens, dev = seq_lens.tolist(), kv_slots.device
     is_decode = [q == 1 for q in q_lens]
-    chunks = _decode_chunks(seq_lens.tolist(), kv_row_bytes) if all(is_decode) else None
-    if not any(is_decode) or (chunks is not None and len(chunks) == 1):
+    one_kind = all(is_decode) or not any(is_decode)
+    if one_kind and (not is_decode[0] or len(_decode_chunks(s_lens, kv_row_bytes)) == 1):
         meta = AttentionMetadata.build(
             slot_mapping, kv_slots, seq_lens, query_lens, max(q_lens), cascade_bytes
         )
@@ -259,7 +260,6 @@ def split_batch(
             f"{slot_mapping.shape[0]} tokens, query lengths {q_lens} and seq_lens of shape "
             f"{tuple(seq_lens.shape)} do not describe one batch"
         )
-    s_lens, dev = seq_lens.tolist(), kv_slots.device
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
