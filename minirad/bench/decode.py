@@ -86,9 +86,11 @@ def run_cli(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     transformers.logging.disable_progress_bar()
     model, _ = load_model(args.model, dtype=getattr(torch, args.dtype), load_processor=False)
-    context = args.shared + args.own
-    if context > model.config.text_config.max_position_embeddings:
-        raise InvalidArgumentError(f"a context of {context} tokens is longer than the model's")
+    context, limit = args.shared + args.own, model.config.text_config.max_position_embeddings
+    if context > limit:
+        raise InvalidArgumentError(
+            f"a context of {context} tokens is longer than the model's {limit} (--shared + --own)"
+        )
     kv = KVCache(
         num_blocks=args.shared + args.batch * args.own,
         block_size=1,
