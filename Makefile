@@ -7,7 +7,7 @@ NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 DETERMINISTIC_ENV := PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1 HF_HUB_OFFLINE=1
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: venv vllm routers dot lab test lint notebooks screenshot clean
+.PHONY: venv vllm routers sglang dot lab test lint notebooks screenshot clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,16 @@ routers: $(ROUTER_VENV)/.installed
 
 $(ROUTER_VENV)/.installed: tools/make_router_venv.sh
 	PYTHON=$(PYTHON) tools/make_router_venv.sh $(ROUTER_VENV)
+	touch $@
+
+# The real SGLang (sglang 0.5.23 on the CPU torch, 3.4 GB) in its own venv: chapter 08, the
+# peer benchmark and tests/test_sglang*.py use it (they skip without it, except under CI=true).
+# See tools/make_sglang_venv.sh.
+SGLANG_VENV := .venv-sglang
+sglang: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: tools/make_sglang_venv.sh tools/sglang-cpu-requirements.txt
+	PYTHON=$(PYTHON) tools/make_sglang_venv.sh $(SGLANG_VENV)
 	touch $@
 
 dot:

@@ -161,6 +161,21 @@ def vllm_python():
 
 
 @pytest.fixture(scope="session")
+def sglang_python():
+    """The real SGLang's Python (``make sglang``). Without it the test is skipped, except in
+    CI, where the SGLang tests must run: ``.ci/run`` builds the venv first."""
+    from minirad.errors import PeerError
+    from minirad.peers.sglang_env import sglang_python
+
+    try:
+        return sglang_python()
+    except PeerError as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
 def vllm_server(vllm_python):
     """One real vLLM server (:class:`~minirad.peers.vllm_server.VLLMServer`, default settings)
     for the session: ``(server, recording)``, where ``recording`` is chapter 08's session
