@@ -12,6 +12,9 @@
 - The shipped tiny LLaVA engine publishes over ZMQ (``EngineConfig(kv_events_endpoint=...)``)
   to a :class:`~minirad.kv_events.KVEventSubscriber`, whose batches go through the view into
   frames: image chips, evictions, the same blocks as the engine's tree.
+- :class:`BlockChains` redraws a block tree as a radix tree (SGLang's pages, one node per run
+  stored together): splits where a chain forks, tails evicted by split and evict, and a
+  Hypothesis property that it draws the same paths as the block view, in fewer nodes.
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ from minirad.kv_events import (
     decode_frames,
     encode_batch,
 )
-from minirad.kv_events.block_events import MASK_64, BlockHashTree, RadixBlockEvents, block_hash_u64
+from minirad.kv_events.block_events import (
+    MASK_64,
+    BlockChains,
+    BlockHashTree,
+    RadixBlockEvents,
+    block_hash_u64,
+)
 from minirad.kvcache.kv_cache_manager import KVCacheManager
 from minirad.kvcache.multimodal import MultiModalItem, pad_value
 from minirad.kvcache.radix_cache import RadixCache
@@ -592,6 +601,152 @@ def test_published_blocks_are_the_full_blocks_of_the_cached_paths(ops, page_size
     assert by_hash(view, frame) == {h: parent for h, (parent, _) in expected.items()}
     assert all(n.num_tokens == block_size for n in frame.live)
     builder.layout.check()
+
+
+# ====================================================================== blocks -> radix nodes
+def chains_with_builder() -> tuple[BlockHashTree, BlockChains, FrameBuilder, EventRecorder]:
+    view = BlockHashTree()
+    chains = BlockChains(view.bus)
+    builder = FrameBuilder(every_event=False)
+    builder.attach(chains.bus)
+    return view, chains, builder, EventRecorder(chains.bus)
+
+
+def apply_batch(view, chains, builder, events) -> Frame:
+    view.extend(events)
+    chains.flush()
+    return builder.snapshot()
+
+
+def nodes(builder: FrameBuilder) -> dict[tuple[int, ...], int]:
+    """``{key: parent's key}``, keyed by token ids, of the tree the frames show."""
+    t = builder.tree.nodes
+    return {t[i].key: (t[t[i].parent].key if t[i].parent else ()) for i in t if i != 0}
+
+
+def page1(hashes, parent=None, first=0) -> BlockStored:
+    """SGLang at page size 1: one block per token, token ``first + i`` for block ``i``."""
+    return stored(hashes, parent, range(first, first + len(hashes)), bs=1)
+
+
+def test_a_run_of_pages_is_one_node_and_a_fork_splits_it():
+    view, chains, builder, rec = chains_with_builder()
+    apply_batch(view, chains, builder, [page1([1, 2, 3, 4, 5])])
+    assert nodes(builder) == {(0, 1, 2, 3, 4): ()}
+    apply_batch(view, chains, builder, [page1([6, 7], parent=3, first=10)])  # after token 2
+    assert nodes(builder) == {(0, 1, 2): (), (3, 4): (0, 1, 2), (10, 11): (0, 1, 2)}
+    assert [type(e).__name__ for e in rec.events[-2:]] == ["SplitEvent", "InsertEvent"]
+    # Blocks stored under the end of a node: a new node, as an insert under a leaf makes one.
+    apply_batch(view, chains, builder, [page1([8], parent=7, first=20)])
+    assert nodes(builder)[(20,)] == (10, 11)
+    assert len(view.node_ids()) == 8 and len(chains.node_ids()) == 8  # every block, 4 nodes
+
+
+def test_a_removed_tail_splits_then_leaves_and_a_whole_node_leaves_at_once():
+    view, chains, builder, rec = chains_with_builder()
+    apply_batch(view, chains, builder, [page1([1, 2, 3, 4, 5])])
+    before = len(rec.events)
+    frame = apply_batch(view, chains, builder, [BlockRemoved([4, 5])])
+    assert nodes(builder) == {(0, 1, 2): ()}
+    kinds = [type(e).__name__ for e in rec.events[before:]]
+    assert kinds == ["SplitEvent", "EvictEvent"]  # the tail: split off, then evicted
+    assert [n.num_tokens for n in frame.nodes if n.state == "evicted"] == [2]
+    # SGLang removes a node's pages first to last: the view takes the leaf first.
+    apply_batch(view, chains, builder, [BlockRemoved([1, 2, 3])])
+    assert nodes(builder) == {}
+    assert type(rec.events[-1]).__name__ == "EvictEvent" and rec.events[-1].num_tokens == 3
+
+
+def test_a_repeat_marks_the_path_and_a_reset_clears():
+    view, chains, builder, rec = chains_with_builder()
+    apply_batch(view, chains, builder, [page1([1, 2, 3])])
+    frame = apply_batch(view, chains, builder, [page1([1, 2])])  # already there: accessed
+    assert [n.state for n in frame.live] == ["accessed"]
+    apply_batch(view, chains, builder, [AllBlocksCleared()])
+    apply_batch(view, chains, builder, [page1([9], first=7)])
+    assert nodes(builder) == {(7,): ()} and chains.node_ids() == {1: 1}  # ids from 1 again
+
+
+def test_a_placeholder_stays_a_node_of_its_own():
+    view, chains, builder, _ = chains_with_builder()
+    apply_batch(view, chains, builder, [page1([5, 6], parent=99, first=3)])
+    assert nodes(builder) == {(): (), (3, 4): ()}  # the unknown parent, then the run under it
+
+
+def random_ops(seed: int, n: int = 150) -> list[tuple]:
+    """Inserts that branch off earlier keys anywhere (a tree with many forks), evictions of a
+    few tokens and a rare reset."""
+    rng = np.random.default_rng(seed)
+    out: list[tuple] = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.7:
+            fresh = [int(t) for t in rng.integers(0, 50, int(rng.integers(1, 12)))]
+            cut = (int(rng.integers(0, 8)), int(rng.integers(-1, 4)))
+            out.append(("insert", int(rng.integers(0, 1000)), cut, fresh, None))
+        elif r < 0.98:
+            out.append(("evict", int(rng.integers(1, 30))))
+        else:
+            out.append(("reset",))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compact_view_on_a_bushy_tree(seed):
+    test_compact_view_draws_the_block_views_paths_in_fewer_nodes.hypothesis.inner_test(
+        random_ops(seed), 1 + 3 * (seed % 2)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 1, 4]))
+def test_compact_view_draws_the_block_views_paths_in_fewer_nodes(ops, block_size):
+    bus = EventBus()
+    cache = RadixCache(1, bus=bus)
+    view = BlockHashTree()
+    chains = BlockChains(view.bus)
+    blocks, compact = FrameBuilder(every_event=False), FrameBuilder(every_event=False)
+    blocks.attach(view.bus)
+    compact.attach(chains.bus)
+
+    def publish(events: list) -> None:
+        view.extend(events)
+        chains.flush()
+        blocks.snapshot()
+        compact.snapshot()
+
+    pub = RadixBlockEvents(bus, publish, block_size=block_size)
+    keys: list[list[int]] = [[]]
+    for op in ops:
+        if op[0] == "insert":
+            _, pick, (n, offset), fresh, _ = op
+            key = keys[pick % len(keys)][: max(n * block_size + offset, 0)] + fresh
+            keys.append(key)
+            cache.insert(key)
+        elif op[0] == "evict":
+            cache.evict(op[1])
+        else:
+            cache.reset()
+        pub.flush()
+    assert leaf_paths(compact) == leaf_paths(blocks)
+    assert len(compact.tree.nodes) <= len(blocks.tree.nodes)
+    assert set(chains.node_ids()) == set(view.node_ids().values())  # every drawn block
+    assert all(node.key for node in compact.tree.nodes.values() if node.id != 0)
+    compact.layout.check()
+
+
+def leaf_paths(builder: FrameBuilder) -> set[tuple[int, ...]]:
+    """The token ids from the root to each leaf of the tree the frames show."""
+    t = builder.tree.nodes
+    out, stack = set(), [(0, ())]
+    while stack:
+        i, path = stack.pop()
+        path += t[i].key
+        live = [c for c in t[i].children if c in t]
+        if not live and i != 0:
+            out.add(path)
+        stack += [(c, path) for c in live]
+    return out
 
 
 # ====================================================================== the engine

@@ -11,7 +11,10 @@ imports ``viz``.
 - :mod:`viz.widget`: :class:`RadixView`, the anywidget player (JS/CSS in ``viz/static``).
 - :mod:`viz.export`: a standalone HTML replay.
 - :mod:`viz.sources`: builders for an engine, a cache, the Figure 3 scenario.
-- :mod:`viz.watch`: a real vLLM server's block cache, live from its KV events, or replayed.
+- :mod:`viz.watch`: a real vLLM server's block cache, live from its KV events, or replayed
+  (SGLang's radix tree too: ``schema="sglang"``).
+- :mod:`viz.beside`: a real engine's cache beside ours, request by request (the real SGLang's
+  radix tree beside our engine's: :func:`watch_sglang`, :func:`replay_sglang`).
 - :mod:`viz.replicas`: several replicas' block caches side by side, and the router's choice
   for each request (chapter 10).
 - :mod:`viz.charts`: matplotlib charts of the chapters (hit rates, forced tokens...).
@@ -27,6 +30,7 @@ Example::
     view = viz.RadixView().attach(engine)         # live: a frame per event
 """
 
+from .beside import BesideView, SGLangBesideOurs, replay_sglang, watch_sglang
 from .frame import Frame, NodeView
 from .frame_builder import FrameBuilder, frames_from_events, image_names
 from .layout import StableLayout
@@ -36,12 +40,14 @@ from .watch import BlockCacheView, replay_recording, watch
 from .widget import RadixView, replay_scenario, run_engine
 
 __all__ = [
+    "BesideView",
     "BlockCacheView",
     "Frame",
     "FrameBuilder",
     "NodeView",
     "RadixView",
     "ReplicaCacheView",
+    "SGLangBesideOurs",
     "StableLayout",
     "frame_svg",
     "frames_from_events",
@@ -49,7 +55,9 @@ __all__ = [
     "replay_recording",
     "replay_replicas",
     "replay_scenario",
+    "replay_sglang",
     "run_engine",
     "watch",
     "watch_replicas",
+    "watch_sglang",
 ]

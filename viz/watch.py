@@ -1,4 +1,5 @@
-"""A real server's prefix cache, live: vLLM's KV events drawn by the visualizer (chapter 08).
+"""A real server's prefix cache, live: vLLM's (or SGLang's) KV events drawn by the visualizer
+(chapter 08).
 
 A vLLM server started with ``--kv-events-config`` publishes every block it caches or drops
 (:mod:`minirad.kv_events`). :func:`watch` subscribes to it and feeds each batch to a
@@ -7,6 +8,11 @@ events, so the same :class:`~viz.frame_builder.FrameBuilder` and player that dra
 draw vLLM's block cache: one node per 32-token block along its hash chain, new blocks green,
 removed ones red, and a fork wherever two chains part, at an image too (its placeholders get the
 image's pad id, from the hash vLLM publishes in ``extra_keys``).
+
+SGLang (``schema="sglang"``) publishes its radix tree page by page, one block per token at
+``--page-size 1``: its view is *compact* (:class:`~minirad.kv_events.block_events.BlockChains`),
+each run of blocks stored together drawn as one node, so SGLang's radix tree looks like ours.
+:func:`viz.watch_sglang` (:mod:`viz.beside`) draws it beside our own engine's tree.
 
 The view keeps what it received (:attr:`BlockCacheView.batches`), so a session can be saved
 (:meth:`BlockCacheView.save_recording`) and replayed later without a server
@@ -44,7 +50,8 @@ from minirad.kv_events import (
     load_recording,
     save_recording,
 )
-from minirad.kv_events.block_events import BlockHashTree
+from minirad.kv_events.block_events import BlockChains, BlockHashTree
+from minirad.kv_events.wire import check_schema
 from minirad.kvcache.multimodal import pad_value
 from minirad.models import DEFAULT_MODEL_DIR
 
@@ -84,6 +91,9 @@ class BlockCacheView(RadixView):
         model_dir: the served model's folder, for token labels and image chips (its
             ``image_token_index`` and ``vocab_size``); None: raw ids, images fork by hash only.
         title: the player's title (in its HTML export).
+        compact: draw each run of blocks stored together as one node (a radix tree, as
+            SGLang's is: :class:`~minirad.kv_events.block_events.BlockChains`) rather than
+            one node per block.
         kwargs: :class:`~viz.widget.RadixView` traits.
 
     Raises:
@@ -91,6 +101,8 @@ class BlockCacheView(RadixView):
 
     Attributes:
         tree: the :class:`~minirad.kv_events.block_events.BlockHashTree` the frames are drawn from.
+        chains: its :class:`~minirad.kv_events.block_events.BlockChains` when ``compact``, else
+            None.
         batches: every ``(seq, batch)`` applied, in order (what :meth:`save_recording` writes).
     """
 
@@ -98,6 +110,7 @@ class BlockCacheView(RadixView):
         self,
         model_dir: str | os.PathLike | None = DEFAULT_MODEL_DIR,
         title: str = "vLLM prefix cache (KV events)",
+        compact: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(title=title, **kwargs)
@@ -108,7 +121,9 @@ class BlockCacheView(RadixView):
         self._subscriber: KVEventSubscriber | None = None
         self._lock = threading.Lock()  # batches arrive on the subscriber's thread
         self._restarted = False  # the view was cleared for a restart; no batch since
-        self.attach(self.tree.bus, every_event=False, decode=decode, **self.tree.frame_settings())
+        self.chains = BlockChains(self.tree.bus) if compact else None
+        bus = self.chains.bus if self.chains is not None else self.tree.bus
+        self.attach(bus, every_event=False, decode=decode, **self.tree.frame_settings())
         # The tree names images as they arrive: the builder must read the tree's own dict.
         self._builder.images = self.tree.images
 
@@ -137,6 +152,9 @@ class BlockCacheView(RadixView):
             self.tree.extend(batch.events)
         except KVEventError as e:
             self.status = str(e)
+        finally:
+            if self.chains is not None:
+                self.chains.flush()  # a batch's runs of blocks end with it
 
     def _frame(self, title: str, change, *args) -> None:
         """Run ``change`` with frames titled ``title``; end with a frame of what it left."""
@@ -195,6 +213,7 @@ def watch(
     *,
     model_dir: str | os.PathLike | None = DEFAULT_MODEL_DIR,
     schema: str = "vllm",
+    compact: bool | None = None,
 ) -> BlockCacheView:
     """A live view of the server publishing KV events at ``endpoint``.
 
@@ -206,13 +225,24 @@ def watch(
             wrong port is reported within a second or two (without it, silence is all a ZMQ
             subscriber can see).
         model_dir: as in :class:`BlockCacheView`.
-        schema: ``"vllm"`` or ``"sglang"`` (:func:`minirad.kv_events.decode_frames`).
+        schema: ``"vllm"`` or ``"sglang"`` (:func:`minirad.kv_events.decode_frames`; either
+            of SGLang's layouts, the status line says which one the server speaks).
+        compact: as in :class:`BlockCacheView`; by default True for SGLang (its radix tree,
+            one node per run of pages) and False for vLLM (one node per block).
 
     Raises:
         InvalidArgumentError: a malformed endpoint or an unknown schema.
     """
     subscriber = KVEventSubscriber(endpoint, replay_endpoint, schema=schema)
-    return BlockCacheView(model_dir).listen(subscriber)
+    return BlockCacheView(model_dir, **_view_settings(schema, compact)).listen(subscriber)
+
+
+def _view_settings(schema: str, compact: bool | None) -> dict[str, Any]:
+    sglang = schema == "sglang"
+    return {
+        "title": "SGLang radix cache (KV events)" if sglang else "vLLM prefix cache (KV events)",
+        "compact": sglang if compact is None else compact,
+    }
 
 
 def replay_recording(
@@ -220,6 +250,8 @@ def replay_recording(
     *,
     model_dir: str | os.PathLike | None = DEFAULT_MODEL_DIR,
     images: Mapping[str, Any] | None = None,
+    schema: str = "vllm",
+    compact: bool | None = None,
 ) -> BlockCacheView:
     """The frames of a recording (a file of :func:`minirad.kv_events.save_recording`, or
     ``(seq, batch)`` pairs), exactly as :func:`watch` drew them live; no server needed.
@@ -227,12 +259,17 @@ def replay_recording(
     Args:
         images: ``{image hash as the server published it: PIL image or path}``, to draw
             each image chip with its picture (vLLM publishes hashes, not pixels).
+        schema, compact: the server the recording came from and how to draw it, as in
+            :func:`watch` (a recording holds decoded batches: ``schema`` only picks the
+            title and the default ``compact``).
 
     Raises:
         KVEventError: the file is not a readable recording.
+        InvalidArgumentError: an unknown schema.
     """
     batches = load_recording(source) if isinstance(source, str | os.PathLike) else source
-    view = BlockCacheView(model_dir)
+    check_schema(schema)
+    view = BlockCacheView(model_dir, **_view_settings(schema, compact))
     if images and view.tree.vocab_size is not None:
         names = image_names(images, view.tree.vocab_size)  # the names BlockHashTree gives
         view._images = {

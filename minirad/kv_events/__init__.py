@@ -10,9 +10,12 @@ tells the world what its prefix cache does, as ZMQ messages of three frames::
 ``seq`` counts batches from 0 in each server process. A *replay* ROUTER socket, if the server
 has one, resends what it still holds: a DEALER sends ``[b"", start_seq (8 bytes)]`` and gets one
 ``[b"", topic, seq, payload]`` per batch with ``seq >= start_seq``, then the end marker
-``[b"", b"", -1 (8 bytes, signed), b""]``. SGLang publishes the same envelope with its own
-schema (``schema="sglang"``): events are arrays ``[tag, fields...]``, hashes are signed 64-bit,
-the batch's rank is ``attn_dp_rank``, and replay replies carry no topic frame.
+``[b"", b"", -1 (8 bytes, signed), b""]``. SGLang publishes the same envelope
+(``schema="sglang"``: hashes are signed 64-bit, the batch's rank is ``attn_dp_rank``), its
+events in one of two layouts, told apart batch by batch (:data:`SGLANG_LAYOUTS`): SGLang
+0.5.23's tagged maps, vLLM's own encoding, or the tagged arrays ``[tag, fields...]`` of earlier
+0.5 releases, whose replay replies carry no topic frame. :func:`decode_message` says which
+layout a batch came in; the subscriber says it once, as a ``"layout"`` notice.
 
 This package is the client side of that protocol, without importing vLLM (it cannot live in the
 course venv, and its import takes seconds): msgspec structs named as vLLM 0.32 names them
@@ -51,12 +54,15 @@ from minirad.kv_events.subscriber import NOTICE_KINDS, Item, KVEventSubscriber, 
 from minirad.kv_events.wire import (
     END_SEQ,
     SCHEMAS,
+    SGLANG_LAYOUTS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventBatch,
+    Message,
     decode_frames,
+    decode_message,
     encode_batch,
 )
 
@@ -71,11 +77,14 @@ __all__ = [
     "KVEventPublisher",
     "KVEventSubscriber",
     "NOTICE_KINDS",
+    "Message",
     "Notice",
     "SCHEMAS",
+    "SGLANG_LAYOUTS",
     "batch_from_json",
     "batch_to_json",
     "decode_frames",
+    "decode_message",
     "encode_batch",
     "load_recording",
     "save_recording",

@@ -33,7 +33,7 @@ import hashlib
 import itertools
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from minirad.errors import InvalidArgumentError, KVEventError
@@ -51,7 +51,14 @@ from minirad.kv_events.event_tree import EventTree
 from minirad.kvcache.block_pool import hash_block_tokens, none_hash
 from minirad.kvcache.multimodal import MultiModalItem, block_extra_keys, pad_value
 
-__all__ = ["MASK_64", "VLLM_BLOCK_SIZE", "BlockHashTree", "RadixBlockEvents", "block_hash_u64"]
+__all__ = [
+    "MASK_64",
+    "VLLM_BLOCK_SIZE",
+    "BlockChains",
+    "BlockHashTree",
+    "RadixBlockEvents",
+    "block_hash_u64",
+]
 
 # The block size of our published block events and of the real vLLM beside us: vLLM's CPU
 # attention backend accepts only multiples of 32 (16, the GPU default, fails with "No common
@@ -392,6 +399,179 @@ class BlockHashTree:
             b = self._blocks[x]
             self.bus.emit(EvictEvent(self.bus.tick(), b.node_id, len(b.key)))
             b.node_id = None
+
+
+# ====================================================================== blocks -> radix nodes
+@dataclass(slots=True, eq=False)
+class _Chain:
+    """Blocks drawn as one node: each block the only child of the one before it."""
+
+    parent: int  # the parent chain's id (0: the root)
+    blocks: list[int]  # BlockHashTree node ids, in order
+    keys: list[tuple[int, ...]]  # their tokens (as drawn)
+    children: list[int] = field(default_factory=list)
+    cut: int = 0  # blocks removed from its end whose removal is not drawn yet
+
+
+class BlockChains:
+    """A block tree drawn as a radix tree: the events of a :class:`BlockHashTree` (one node per
+    block) re-published on :attr:`bus` with each run of blocks stored together as one node.
+
+    SGLang publishes its radix tree page by page: at ``--page-size 1`` every token is a block,
+    so :class:`BlockHashTree` alone draws a prompt as a column of one-token nodes. Here the
+    blocks of one BlockStored (SGLang sends one per radix node it caches, chained ones merged)
+    become one node, as SGLang's own tree holds them, and the tree changes as a radix tree
+    does, in the minirad events a ``FrameBuilder`` draws:
+
+    - a block stored under a block inside a node splits that node there
+      (:class:`~minirad.events.SplitEvent`), then comes in as a new node; blocks that come
+      in one after another, each under the one before, join that new node until
+      :meth:`flush` (the end of a batch) or another kind of change;
+    - removed blocks leave from a node's end (a removal takes leaves first): the whole node
+      is evicted when its first block goes; if only its tail goes, the node is split there at
+      :meth:`flush` and the tail evicted;
+    - an access (a BlockStored of blocks already drawn) marks the path to the node of the
+      last block; a reset resets.
+
+    Node ids count from 1 in drawing order (from 1 again after a reset) and ``extra_key`` is
+    None (a block's hash names one block, not a node). A 0-token placeholder (a parent hash
+    the view never saw) stays a node of its own.
+
+    Args:
+        source: the block tree's bus (``BlockHashTree.bus``).
+        bus: where the radix events go (a new bus if None).
+    """
+
+    def __init__(self, source: EventBus, bus: EventBus | None = None) -> None:
+        self.bus = bus if bus is not None else EventBus()
+        self._clear()
+        self._unsubscribe: Callable[[], None] | None = source.subscribe(self._on_event)
+
+    def _clear(self) -> None:
+        self._chains: dict[int, _Chain] = {0: _Chain(0, [], [])}
+        self._owner: dict[int, int] = {}  # block node id -> chain id
+        self._next_id = 1
+        self._open: int | None = None  # a chain not drawn yet: the next block may join it
+
+    def close(self) -> None:
+        """Flush, then stop listening to the source."""
+        self.flush()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def node_ids(self) -> dict[int, int]:
+        """``{block node id (BlockHashTree's): node id here}`` for the blocks drawn."""
+        return dict(self._owner)
+
+    def flush(self) -> None:
+        """Draw what waits: the node being built, and the tails removed from nodes."""
+        self._draw_open()
+        for cid in [c for c, ch in self._chains.items() if ch.cut]:
+            ch = self._chains[cid]
+            live = len(ch.blocks) - ch.cut
+            tail = self._new_id()
+            self.bus.emit(SplitEvent(self.bus.tick(), cid, tail, _size(ch.keys[:live])))
+            self.bus.emit(EvictEvent(self.bus.tick(), tail, _size(ch.keys[live:])))
+            del ch.blocks[live:], ch.keys[live:]
+            ch.cut = 0
+
+    # ------------------------------------------------------------------ the block events
+    def _on_event(self, e: Event) -> None:
+        if isinstance(e, InsertEvent):
+            if e.node_id is None:
+                self._on_access(e)
+            else:
+                self._on_insert(e)
+        elif isinstance(e, EvictEvent):
+            self._on_evict(e)
+        elif isinstance(e, ResetEvent) and e.source == RESET_SOURCE:
+            self._clear()
+            self.bus.emit(ResetEvent(self.bus.tick(), RESET_SOURCE))
+
+    def _on_insert(self, e: InsertEvent) -> None:
+        block, parent, key = e.node_id, e.parent_id or 0, tuple(e.key)
+        if self._open is not None:
+            ch = self._chains[self._open]
+            if parent == ch.blocks[-1] and key and ch.keys[-1]:  # the next block of the run
+                ch.blocks.append(block)
+                ch.keys.append(key)
+                self._owner[block] = self._open
+                return
+        self.flush()
+        pc = self._owner[parent] if parent else 0
+        if pc:
+            self._split_after(pc, parent)
+        cid = self._new_id()
+        self._chains[cid] = _Chain(pc, [block], [key])
+        self._chains[pc].children.append(cid)
+        self._owner[block] = cid
+        self._open = cid
+
+    def _on_access(self, e: InsertEvent) -> None:
+        self.flush()
+        if not e.path:
+            return
+        cid = self._owner[e.path[-1]]
+        path, _ = self._above(cid)
+        self.bus.emit(InsertEvent(self.bus.tick(), (*path, cid), e.prefix_len, None, None))
+
+    def _on_evict(self, e: EvictEvent) -> None:
+        cid = self._owner.pop(e.node_id)
+        if cid == self._open:
+            self._draw_open()
+        ch = self._chains[cid]
+        live = len(ch.blocks) - ch.cut
+        if ch.blocks[live - 1] != e.node_id:
+            raise KVEventError(f"block node {e.node_id} left from the middle of node {cid}")
+        ch.cut += 1
+        if ch.cut == len(ch.blocks):  # its first block went: the whole node goes now
+            self.bus.emit(EvictEvent(self.bus.tick(), cid, _size(ch.keys)))
+            self._chains[ch.parent].children.remove(cid)
+            del self._chains[cid]
+
+    # ------------------------------------------------------------------ the drawing
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _above(self, cid: int) -> tuple[tuple[int, ...], int]:
+        """The chain ids above ``cid`` (root excluded) and their tokens."""
+        ids, tokens = [], 0
+        while (cid := self._chains[cid].parent) != 0:
+            ids.append(cid)
+            tokens += _size(self._chains[cid].keys)
+        return tuple(reversed(ids)), tokens
+
+    def _draw_open(self) -> None:
+        if self._open is None:
+            return
+        cid, self._open = self._open, None
+        ch = self._chains[cid]
+        path, prefix = self._above(cid)
+        key = tuple(t for k in ch.keys for t in k)
+        self.bus.emit(InsertEvent(self.bus.tick(), path, prefix, cid, ch.parent, key, (), None))
+
+    def _split_after(self, cid: int, block: int) -> None:
+        """Make ``block`` the last of its node: the blocks after it become a node of their
+        own (with the children)."""
+        ch = self._chains[cid]
+        i = ch.blocks.index(block) + 1
+        if i == len(ch.blocks):
+            return
+        tail = self._new_id()
+        self._chains[tail] = _Chain(cid, ch.blocks[i:], ch.keys[i:], ch.children)
+        for c in ch.children:
+            self._chains[c].parent = tail
+        for b in ch.blocks[i:]:
+            self._owner[b] = tail
+        self.bus.emit(SplitEvent(self.bus.tick(), cid, tail, _size(ch.keys[:i])))
+        del ch.blocks[i:], ch.keys[i:]
+        ch.children = [tail]
+
+
+def _size(keys: Sequence[tuple[int, ...]]) -> int:
+    return sum(len(k) for k in keys)
 
 
 # ====================================================================== minirad -> vLLM

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +13,14 @@ from typing import Literal
 import zmq
 
 from minirad.errors import InvalidArgumentError, KVEventError
-from minirad.kv_events.wire import END_SEQ, ENGINE_NAMES, KVEventBatch, check_schema, decode_frames
+from minirad.kv_events.wire import (
+    END_SEQ,
+    ENGINE_NAMES,
+    SGLANG_LAYOUTS,
+    KVEventBatch,
+    check_schema,
+    decode_message,
+)
 
 __all__ = [
     "NOTICE_KINDS",
@@ -29,7 +37,20 @@ def _span(first: int, last: int) -> str:
     return f"batch {first}" if first == last else f"batches {first} to {last}"
 
 
-NOTICE_KINDS = ("connected", "no_server", "silent", "restart", "lost", "recovered", "bad_frame")
+NOTICE_KINDS = (
+    "connected",
+    "no_server",
+    "silent",
+    "restart",
+    "lost",
+    "recovered",
+    "bad_frame",
+    "layout",
+)
+# Each of these says the server's state changed (it answers again, it stopped answering): a
+# second one is news, not a repeat.
+_STATE_KINDS = ("connected", "no_server")
+_BATCH_NUMBER = re.compile(r"\bbatch \d+")
 
 
 @dataclass(frozen=True)
@@ -53,7 +74,17 @@ class Notice:
     - ``"recovered"``: batches the live stream missed (or sent before this subscriber joined)
       came through the replay socket; they are delivered in their place.
     - ``"bad_frame"``: a malformed or truncated message was skipped (the :class:`KVEventError`
-      text).
+      text). Later messages skipped for the same fault give no notice of their own (they are
+      counted in :attr:`KVEventSubscriber.notice_counts`).
+    - ``"layout"``: the layout an SGLang server's events came in, when the first batch with
+      events shows it (or when it changes): ``"SGLang 0.5.23 layout: events are tagged maps
+      (vLLM's encoding)"`` or the earlier 0.5 arrays
+      (:data:`~minirad.kv_events.wire.SGLANG_LAYOUTS`).
+
+    No notice is given twice: apart from ``"connected"`` and ``"no_server"`` (each a change of
+    state), a notice with the kind and message of one given since the server (re)started is
+    not given again, for instance when a replay probe brings back a bad message already
+    reported.
 
     Attributes:
         seq: the batch the notice is about (the first lost one, the one after a restart...),
@@ -102,7 +133,8 @@ class KVEventSubscriber:
             a dead server cannot be told from an idle one, and a restart is seen only when
             seq goes backwards.
         topic: the topic prefix to subscribe to (vLLM's default is ``""``).
-        schema: ``"vllm"`` or ``"sglang"`` (see :func:`decode_frames`).
+        schema: ``"vllm"`` or ``"sglang"`` (see :func:`~minirad.kv_events.wire.decode_frames`;
+            SGLang's two layouts are told apart batch by batch).
         name: what the notices call the server ("minirad serve answering at ..."); by default
             the schema's engine, ``"vLLM"`` or ``"SGLang"``, since other servers speak their
             wire formats too.
@@ -128,7 +160,18 @@ class KVEventSubscriber:
     tells), live batches wait for the next probe to say whether the server is the same one.
     A live seq below the next expected one is a restart too, unless it is the live copy of a
     batch the replay already delivered. One DEALER per request leaves no stale request queued
-    for a server that comes back later (ZMQ's "lazy pirate" pattern).
+    for a server that comes back later (ZMQ's "lazy pirate" pattern). A replayed message whose
+    payload cannot be decoded still takes its seq's place (with a ``"bad_frame"`` notice, and
+    nothing delivered), so the next probe does not ask for it again.
+
+    Attributes:
+        layout: for ``schema="sglang"``, the key in
+            :data:`~minirad.kv_events.wire.SGLANG_LAYOUTS` of the layout the server's events
+            came in (``"maps"`` for SGLang 0.5.23), once a batch with events has shown it;
+            else None.
+        notice_counts: ``{(kind, message): times}``: how often each notice arose, the ones not
+            given again included (a bad message's number is left out of its message here, so
+            one fault that skips many messages counts as one notice).
 
     Raises:
         InvalidArgumentError: a bad schema, endpoint or timeout.
@@ -187,6 +230,9 @@ class KVEventSubscriber:
         self._answering: bool | None = None
         self._silent_at: float | None = time.monotonic() + probe_interval_s
         self._out: list[Item] = []
+        self.layout: str | None = None
+        self.notice_counts: dict[tuple[str, str], int] = {}
+        self._given: set[tuple[str, str]] = set()  # notices given since the last restart
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -303,7 +349,35 @@ class KVEventSubscriber:
             self._ask_replay()
 
     def _notice(self, kind: str, message: str, seq: int | None = None) -> None:
+        """Give a notice, unless the same one was given since the server (re)started."""
+        key = (kind, _BATCH_NUMBER.sub("batch N", message) if kind == "bad_frame" else message)
+        self.notice_counts[key] = self.notice_counts.get(key, 0) + 1
+        if kind not in _STATE_KINDS:
+            if key in self._given:
+                return
+            self._given.add(key)
         self._out.append(Notice(kind, message, seq))
+
+    def _decode(self, frames: list[bytes]) -> tuple[int, KVEventBatch | None] | None:
+        """``(seq, batch)`` of a message; ``(seq, None)`` for one whose payload cannot be
+        decoded, None without a readable seq. Says which layout an SGLang server speaks the
+        first time a batch shows it."""
+        try:
+            seq, _, batch, layout = decode_message(frames, self.schema)
+        except KVEventError as e:
+            self._notice(
+                "bad_frame",
+                f"skipped a bad message from {self._name}: {e} (later messages with this fault "
+                "are skipped without another notice)",
+            )
+            seq_frame = frames[1] if len(frames) == 3 else b""
+            if isinstance(seq_frame, bytes) and len(seq_frame) == 8 and seq_frame != END_SEQ:
+                return int.from_bytes(seq_frame, "big"), None
+            return None
+        if layout is not None and layout != self.layout:
+            self.layout = layout
+            self._notice("layout", f"{SGLANG_LAYOUTS[layout]}, at {self.endpoint}")
+        return seq, batch
 
     def _drain_monitor(self) -> None:
         """The SUB lost its server: whatever it reconnects to may be a new process, so hold
@@ -319,6 +393,7 @@ class KVEventSubscriber:
     def _restart(self, message: str, seq: int) -> None:
         """A new server process: say so, and start again from its seq 0."""
         self._notice("restart", message, seq)
+        self._given.clear()  # a new server: its notices are news
         self._next = 0
         self._restarted = True
         self._last = None
@@ -342,12 +417,11 @@ class KVEventSubscriber:
             except zmq.Again:
                 return
             self._silent_at = None
-            try:
-                seq, _, batch = decode_frames(frames, self.schema)
-            except KVEventError as e:
-                self._notice("bad_frame", f"skipped a bad message from {self.endpoint}: {e}")
-                continue
-            self._on_live(seq, batch, hash(frames[2]))
+            decoded = self._decode(frames)
+            # A bad live message is only skipped: anything can send it. The replay socket,
+            # asked about the gap it leaves, says whether the server sent it.
+            if decoded is not None and decoded[1] is not None:
+                self._on_live(*decoded, hash(frames[2]))
 
     def _on_live(self, seq: int, batch: KVEventBatch, digest: int) -> None:
         self._live_count += 1
@@ -379,8 +453,9 @@ class KVEventSubscriber:
             for s in [s for s in self._ahead if s <= seq]:
                 del self._ahead[s]
 
-    def _deliver(self, seq: int, batch: KVEventBatch, digest: int) -> None:
-        self._out.append((seq, batch))
+    def _deliver(self, seq: int, batch: KVEventBatch | None, digest: int) -> None:
+        if batch is not None:
+            self._out.append((seq, batch))
         self._next = seq + 1
         self._last = (seq, digest)
         self._flush()
@@ -435,7 +510,8 @@ class KVEventSubscriber:
                 return
             ex.replied = True
             ex.deadline = time.monotonic() + self.replay_timeout_s  # inactivity, not total
-            # vLLM: [b"", topic, seq, payload]; SGLang: [b"", seq, payload] (no topic frame).
+            # vLLM and SGLang 0.5.23: [b"", topic, seq, payload]; earlier SGLang 0.5:
+            # [b"", seq, payload] (no topic frame).
             if len(frames) not in (3, 4) or frames[0] != b"":
                 self._notice(
                     "bad_frame",
@@ -447,11 +523,10 @@ class KVEventSubscriber:
             if body[1] == END_SEQ:
                 self._finish_exchange(complete=True)
                 return
-            try:
-                seq, _, batch = decode_frames(body, self.schema)
-            except KVEventError as e:
-                self._notice("bad_frame", f"skipped a bad replayed message: {e}")
+            decoded = self._decode(body)
+            if decoded is None:
                 continue
+            seq, batch = decoded
             digest = hash(body[2])
             if ex.check is not None:
                 check, ex.check = ex.check, None
@@ -466,7 +541,8 @@ class KVEventSubscriber:
                 self._lost(seq, "no longer in the server's replay buffer")
             self._ahead[seq] = digest
             self._pending.pop(seq, None)
-            ex.recovered.append(seq)
+            if batch is not None:  # a bad one takes its place, but is not recovered
+                ex.recovered.append(seq)
             self._deliver(seq, batch, digest)
 
     def _restarted_under(self, seq: int) -> None:

@@ -7,11 +7,18 @@ tells the world what its prefix cache does, as ZMQ messages of three frames::
     payload = msgpack [ts, events, data_parallel_rank]      (KVEventBatch, an array)
     event   = msgpack map {"type": "BlockStored", "block_hashes": [...], ...}
 
-``seq`` counts batches from 0 in each server process. SGLang publishes the same envelope with
-its own schema (``schema="sglang"``): events are arrays ``[tag, fields...]``, hashes are signed
-64-bit, the batch's rank is ``attn_dp_rank``, and replay replies carry no topic frame. The structs
-are named as vLLM 0.32 names them (``vllm/distributed/kv_events.py``), without importing vLLM (it
-cannot live in the course venv, and its import takes seconds).
+``seq`` counts batches from 0 in each server process. SGLang publishes the same envelope
+(``schema="sglang"``; the batch's rank is its ``attn_dp_rank``, hashes are signed 64-bit), its
+events in one of two layouts (:data:`SGLANG_LAYOUTS`), told apart batch by batch:
+
+- ``"maps"``, SGLang 0.5.23: tagged maps ``{"type": "BlockStored", "block_hashes": [...], ...}``,
+  vLLM's own encoding, optional fields left out when None (``medium``, ``cache_salt``,
+  ``session_id``, ``lora_name``); replay replies carry the topic frame, as vLLM's do;
+- ``"arrays"``, earlier SGLang 0.5 releases: tagged arrays ``["BlockStored", hashes, parent,
+  tokens, block_size, lora_id, (medium)]``; replay replies carry no topic frame.
+
+The structs are named as vLLM 0.32 names them (``vllm/distributed/kv_events.py``), without
+importing vLLM (it cannot live in the course venv, and its import takes seconds).
 
 Block hashes are unsigned 64-bit integers, most of them above 2**53: never hand them to
 JavaScript as JSON numbers (recordings write them as hex strings).
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 import zmq
@@ -36,7 +43,10 @@ __all__ = [
     "BlockStored",
     "KVEvent",
     "KVEventBatch",
+    "Message",
+    "SGLANG_LAYOUTS",
     "decode_frames",
+    "decode_message",
     "encode_batch",
 ]
 
@@ -117,13 +127,51 @@ class KVEventBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
-# SGLang 0.5's schema (python/sglang/srt/disaggregation/kv_events.py): array-like tagged events,
-# fields in this order, trailing defaults possibly omitted; extra trailing items (its
-# BlockStoredWithMetadata appends a metadata map) are ignored.
+# SGLang's layouts (python/sglang/srt/disaggregation/kv_events.py), by what its events look like.
+SGLANG_LAYOUTS = {
+    "maps": "SGLang 0.5.23 layout: events are tagged maps (vLLM's encoding)",
+    "arrays": "earlier SGLang 0.5 layout: events are tagged arrays",
+}
+
+# Token ids: an int per position, or (EAGLE's bigram keys) [token, next token]: the first is it.
+_Tokens = list[int | list[int]]
+
+
+# SGLang 0.5.23: maps tagged by "type", fields by name; a field left at None is left out, and
+# fields unknown here (cache_salt, session_id, newer ones) are ignored.
+class _SGLangMapStored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: _Tokens
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+
+
+class _SGLangMapRemoved(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _SGLangMapCleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _SGLangMapBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_SGLangMapStored | _SGLangMapRemoved | _SGLangMapCleared]
+    attn_dp_rank: int | None = None
+
+
+# Earlier SGLang 0.5 releases: array-like tagged events, fields in this order, trailing defaults
+# possibly omitted; extra trailing items (its BlockStoredWithMetadata appends a metadata map)
+# are ignored.
 class _SGLangBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: _Tokens
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -144,9 +192,11 @@ class _SGLangBatch(msgspec.Struct, array_like=True):
     attn_dp_rank: int | None = None
 
 
-_DECODERS = {
-    "vllm": msgspec.msgpack.Decoder(KVEventBatch),
-    "sglang": msgspec.msgpack.Decoder(_SGLangBatch),
+_VLLM_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+# Tried in this order: the current layout first.
+_SGLANG_DECODERS = {
+    "maps": msgspec.msgpack.Decoder(_SGLangMapBatch),
+    "arrays": msgspec.msgpack.Decoder(_SGLangBatch),
 }
 ENCODER = msgspec.msgpack.Encoder()
 
@@ -156,21 +206,27 @@ def _unsigned(h: int | None) -> int | None:
     return None if h is None else h & U64_MAX
 
 
-def _from_sglang(batch: _SGLangBatch) -> KVEventBatch:
+def _token(t: int | list[int]) -> int:
+    return t if isinstance(t, int) else (t[0] if t else 0)
+
+
+def _from_sglang(batch: _SGLangMapBatch | _SGLangBatch) -> KVEventBatch:
     events: list[KVEvent] = []
     for e in batch.events:
-        if isinstance(e, _SGLangBlockStored):
+        if isinstance(e, _SGLangMapStored | _SGLangBlockStored):
             events.append(
                 BlockStored(
                     block_hashes=[h & U64_MAX for h in e.block_hashes],
                     parent_block_hash=_unsigned(e.parent_block_hash),
-                    token_ids=e.token_ids,
+                    token_ids=[_token(t) for t in e.token_ids],
                     block_size=e.block_size,
                     lora_id=e.lora_id,
                     medium=e.medium,
+                    lora_name=getattr(e, "lora_name", None),
+                    extra_keys=getattr(e, "extra_keys", None),
                 )
             )
-        elif isinstance(e, _SGLangBlockRemoved):
+        elif isinstance(e, _SGLangMapRemoved | _SGLangBlockRemoved):
             events.append(BlockRemoved([h & U64_MAX for h in e.block_hashes], medium=e.medium))
         else:
             events.append(AllBlocksCleared())
@@ -184,14 +240,18 @@ def check_schema(schema: str) -> None:
 
 
 def _payload_hint(schema: str, payload: bytes, error: str) -> str:
-    """Why a payload that is valid msgpack is not a batch, when we can tell."""
-    other = "sglang" if schema == "vllm" else "vllm"
-    try:
-        _DECODERS[other].decode(payload)
-    except msgspec.DecodeError:
-        pass
-    else:
-        return f" (it decodes with schema={other!r}: is the publisher {ENGINE_NAMES[other]}?)"
+    """Why a payload that is valid msgpack is not a batch, when we can tell. (A vLLM batch is
+    always an SGLang one too: SGLang 0.5.23 publishes vLLM's encoding.)"""
+    if schema == "vllm":
+        try:
+            _SGLANG_DECODERS["arrays"].decode(payload)
+        except msgspec.DecodeError:
+            pass
+        else:
+            return (
+                " (it decodes with schema='sglang': is the publisher SGLang? "
+                f"{SGLANG_LAYOUTS['arrays']})"
+            )
     if "got `bytes`" in error:
         return (
             " (vLLM sends hashes as bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; its "
@@ -200,18 +260,45 @@ def _payload_hint(schema: str, payload: bytes, error: str) -> str:
     return ""
 
 
-def decode_frames(
-    frames: Sequence[bytes], schema: Literal["vllm", "sglang"] = "vllm"
-) -> tuple[int, bytes, KVEventBatch]:
-    """One message of the event stream, ``[topic, seq, payload]``, as ``(seq, topic, batch)``.
+class Message(NamedTuple):
+    """One decoded message of the event stream (:func:`decode_message`).
 
-    SGLang batches (``schema="sglang"``) come back in vLLM's structs: hashes made unsigned,
-    ``attn_dp_rank`` as ``data_parallel_rank``.
+    Attributes:
+        seq, topic, batch: as :func:`decode_frames` returns them.
+        layout: the key in :data:`SGLANG_LAYOUTS` of the layout an SGLang batch came in, or
+            None: a vLLM batch (it has one layout), or an SGLang batch without events (it
+            reads the same in both).
+    """
+
+    seq: int
+    topic: bytes
+    batch: KVEventBatch
+    layout: str | None = None
+
+
+def _decode_sglang(seq: int, payload: bytes) -> tuple[KVEventBatch, str | None]:
+    errors = []
+    for layout, decoder in _SGLANG_DECODERS.items():
+        try:
+            raw = decoder.decode(payload)
+        except msgspec.ValidationError as e:
+            errors.append(f"as {layout}: {e}")
+            continue
+        return _from_sglang(raw), layout if raw.events else None
+    error = "; ".join(errors)
+    raise KVEventError(
+        f"batch {seq} is msgpack but not an SGLang KVEventBatch in either layout "
+        f"(tagged maps or tagged arrays): {error}{_payload_hint('sglang', payload, error)}"
+    )
+
+
+def decode_message(frames: Sequence[bytes], schema: Literal["vllm", "sglang"] = "vllm") -> Message:
+    """:func:`decode_frames`, and for SGLang the layout its events came in
+    (:attr:`Message.layout`): tagged maps (0.5.23) or tagged arrays (earlier 0.5), whichever
+    the payload is.
 
     Raises:
-        KVEventError: not three frames, a seq frame that is not 8 bytes, a payload that is not
-            msgpack (garbage, truncated), or msgpack that is not a KVEventBatch of ``schema``.
-        InvalidArgumentError: an unknown ``schema``.
+        KVEventError, InvalidArgumentError: as :func:`decode_frames`.
     """
     check_schema(schema)
     if len(frames) != 3:
@@ -225,7 +312,10 @@ def decode_frames(
         raise KVEventError(f"the seq frame must be 8 bytes (big-endian), got {len(seq_bytes)}")
     seq = int.from_bytes(seq_bytes, "big")
     try:
-        raw = _DECODERS[schema].decode(payload)
+        if schema == "sglang":
+            batch, layout = _decode_sglang(seq, payload)
+            return Message(seq, topic, batch, layout)
+        raw = _VLLM_DECODER.decode(payload)
     except msgspec.ValidationError as e:
         raise KVEventError(
             f"batch {seq} is msgpack but not a {ENGINE_NAMES[schema]} KVEventBatch: "
@@ -233,14 +323,31 @@ def decode_frames(
         ) from e
     except msgspec.DecodeError as e:
         raise KVEventError(f"batch {seq} is not valid msgpack (garbage or truncated): {e}") from e
-    if schema == "sglang":
-        return seq, topic, _from_sglang(raw)
     for event in raw.events:  # vLLM's are unsigned already; keep one invariant for both
         if not isinstance(event, AllBlocksCleared):
             event.block_hashes = [h & U64_MAX for h in event.block_hashes]
         if isinstance(event, BlockStored):
             event.parent_block_hash = _unsigned(event.parent_block_hash)
-    return seq, topic, raw
+    return Message(seq, topic, raw)
+
+
+def decode_frames(
+    frames: Sequence[bytes], schema: Literal["vllm", "sglang"] = "vllm"
+) -> tuple[int, bytes, KVEventBatch]:
+    """One message of the event stream, ``[topic, seq, payload]``, as ``(seq, topic, batch)``.
+
+    SGLang batches (``schema="sglang"``) come back in vLLM's structs, whichever of its layouts
+    they came in (:data:`SGLANG_LAYOUTS`; :func:`decode_message` says which): hashes made
+    unsigned, ``attn_dp_rank`` as ``data_parallel_rank``, fields vLLM's structs lack
+    (``cache_salt``, ``session_id``, a metadata map) dropped. A vLLM batch decodes with
+    ``schema="sglang"`` too: SGLang 0.5.23 publishes vLLM's encoding.
+
+    Raises:
+        KVEventError: not three frames, a seq frame that is not 8 bytes, a payload that is not
+            msgpack (garbage, truncated), or msgpack that is not a KVEventBatch of ``schema``.
+        InvalidArgumentError: an unknown ``schema``.
+    """
+    return decode_message(frames, schema)[:3]
 
 
 def encode_batch(seq: int, batch: KVEventBatch, topic: bytes = b"") -> list[bytes]:
