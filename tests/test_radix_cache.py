@@ -512,6 +512,17 @@ def test_check_invariants_detects_corruption() -> None:
     cache.evictable_size_ += 1
     with pytest.raises(InvariantError):
         cache.check_invariants()
+    cache.evictable_size_ -= 1
+    cache.insert([1, 2, 4], priority=1)  # [1, 2] -> [3], [4]
+    cache.check_invariants()
+    for attr, bad in (("depth", 2), ("history_len", 99), ("priority", 2)):
+        leaf = cache.root_node.children[1].children[4]
+        good = getattr(leaf, attr)
+        setattr(leaf, attr, bad)  # 2 tokens deep (should be 3), deeper than its parent, above it
+        with pytest.raises(InvariantError):
+            cache.check_invariants()
+        setattr(leaf, attr, good)
+    cache.check_invariants()
 
 
 def test_format_tree_and_the_drawing_show_every_node() -> None:
@@ -709,3 +720,292 @@ def test_leaf_key_arrays_after_a_split():
     cache.insert([1, 2, 7], [20, 21, 22])  # splits the first leaf after two tokens
     assert sorted(n.key_buf.tolist() for n in cache.nodes()) == [[1, 2], [3, 4], [7]]
     cache.check_invariants()
+
+
+# ------------------------------------------------- SGLang's slru, tlru and priority (issue 31)
+def test_slru_keeps_a_prefix_two_requests_cached_where_lru_evicts_it() -> None:
+    # P is cached by two requests, then Q, newer, by one. LRU evicts the older leaf, P; SLRU
+    # protects P (insert_count 2 >= protected_threshold 2) and evicts the probationary Q first.
+    results = {}
+    for policy in ("lru", "slru"):
+        cache = RadixCache(eviction_policy=policy)
+        cache.insert([1, 2], [10, 11])
+        cache.insert([1, 2], [10, 11])  # a second request caches the same prompt
+        cache.insert([3, 4], [30, 31])
+        assert [n.insert_count for n in nodes(cache)] in ([2, 1], [1, 2])
+        results[policy] = cache.evict(1)
+        cache.check_invariants()
+    assert results == {"lru": [10, 11], "slru": [30, 31]}
+
+
+def test_insert_count_counts_each_request_once_as_sglang_counts_hit_count() -> None:
+    # SGLang counts a node when an insert walks or creates it, not when a match walks it, and
+    # not again for the tokens the same request inserted before (chunked prefill).
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    (node,) = nodes(cache)
+    cache.match_prefix([1, 2, 3, 4])
+    assert (node.insert_count, node.hit_count) == (1, 1)
+    cache.insert([1, 2, 9], [20, 21, 22])  # walks [1, 2] (a split: both parts keep 1), +1
+    counts = {tuple(n.key): n.insert_count for n in nodes(cache)}
+    assert counts == {(1, 2): 2, (3, 4): 1, (9,): 1}
+    cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14], inserted_len=4)  # its own [1..4]
+    counts = {tuple(n.key): n.insert_count for n in nodes(cache)}
+    assert counts == {(1, 2): 2, (3, 4): 1, (9,): 1, (5,): 1}
+    with pytest.raises(InvalidArgumentError):
+        cache.insert([1], [10], inserted_len=-1)
+
+
+def test_a_chunked_request_counts_once_and_a_second_request_twice_on_the_shared_part() -> None:
+    alloc = TokenToKVPoolAllocator(32)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    first = Req("first", [1, 2, 3, 4, 5, 6])
+    cache.match_prefix_for_req(first)
+    first.kv_indices += alloc.alloc(3)  # chunk 1: [1, 2, 3]
+    cache.cache_unfinished_req(first)
+    first.kv_indices += alloc.alloc(2)  # chunk 2: up to [.., 5]; 6 is the last token
+    cache.cache_unfinished_req(first)
+    first.output_ids.append(7)
+    first.kv_indices += alloc.alloc(1)
+    cache.cache_finished_req(first)  # caches [1..6]
+    assert {n.insert_count for n in nodes(cache)} == {1}  # three inserts, one request
+    assert len(nodes(cache)) == 3  # [1, 2, 3] [4, 5] [6]
+    second = start(cache, alloc, "second", [1, 2, 3, 4, 8])  # shares [1..4]
+    second.kv_indices += alloc.alloc(1)
+    cache.cache_finished_req(second)
+    counts = {tuple(n.key): n.insert_count for n in nodes(cache)}
+    assert counts == {(1, 2, 3): 2, (4,): 2, (5,): 1, (6,): 1, (8, 99): 1}
+    cache.check_invariants()
+
+
+def test_priority_keeps_what_the_important_request_cached() -> None:
+    evicted = {}
+    for policy in ("lru", "priority"):
+        alloc = TokenToKVPoolAllocator(32)
+        cache = RadixCache(eviction_policy=policy, token_to_kv_pool_allocator=alloc)
+        vip = Req("vip", [1, 2, 3, 4], priority=5)
+        cache.match_prefix_for_req(vip)
+        vip.kv_indices += alloc.alloc(4)
+        vip_tail = tuple(vip.kv_indices[2:])
+        cache.cache_finished_req(vip)
+        low = Req("low", [1, 2, 7, 8])  # priority 0, later: shares [1, 2] with vip
+        cache.match_prefix_for_req(low)
+        low.kv_indices += alloc.alloc(2)
+        low_tail = tuple(low.kv_indices[2:])
+        cache.cache_finished_req(low)
+        prios = {tuple(n.key): n.priority for n in nodes(cache)}
+        assert prios == {(1, 2): 5, (3, 4): 5, (7, 8): 0}  # the shared prefix keeps the max
+        cache.check_invariants()
+        evicted[policy] = [tuple(cache.evict(1)) for _ in range(2)]
+    # LRU takes vip's older tail [3, 4] first; priority takes low's newer [7, 8] (priority 0)
+    assert evicted == {"lru": [vip_tail, low_tail], "priority": [low_tail, vip_tail]}
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, "1", None])
+def test_a_priority_that_is_not_an_int_is_refused_before_anything_changes(bad) -> None:
+    alloc = TokenToKVPoolAllocator(8)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    with pytest.raises(InvalidArgumentError):
+        cache.insert([1], alloc.alloc(1), priority=bad)
+    req = Req("r", [1, 2], priority=bad)
+    cache.match_prefix_for_req(req)
+    req.kv_indices += alloc.alloc(2)
+    with pytest.raises(InvalidArgumentError):
+        cache.cache_finished_req(req)
+    assert cache.total_size() == 0 and req.last_node is not None
+    cache.check_invariants()
+
+
+def test_tlru_trims_a_conversation_by_threshold_minus_estimate_then_falls_back_to_lru() -> None:
+    from minirad.kvcache.eviction import get_policy
+
+    threshold, estimate = 6, 2  # keep all but threshold - estimate = 4 tokens of a branch
+    tlru = get_policy("tlru", threshold=threshold, next_prompt_estimate=estimate)
+    order = {}
+    for name, policy in (("lru", "lru"), ("tlru", tlru)):
+        cache = RadixCache(eviction_policy=policy)
+        old = list(range(100, 110))  # an older one-turn conversation, 10 tokens
+        cache.insert(old, old)
+        a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]  # three turns, 4 tokens each
+        for turn in (a, a + b, a + b + c):
+            cache.insert(turn, turn)
+        order[name] = [cache.evict(1) for _ in range(4)]
+        cache.check_invariants()
+    # The rule, from the test's own numbers: a leaf is safe when the tokens above it are at
+    # least L + estimate - threshold, L the longest its conversation has been.
+    budget_new = max(12 + estimate - threshold, 0)  # 8
+    budget_old = max(10 + estimate - threshold, 0)  # 6
+    assert len(a + b) >= budget_new  # c is safe: evicting it keeps 8 of 12 cached
+    assert len(a) < budget_new  # then b is not: L stays 12 once c is gone
+    assert 0 < budget_old  # the old conversation is never safe (nothing above it)
+    c_, b_, a_ = [9, 10, 11, 12], [5, 6, 7, 8], [1, 2, 3, 4]
+    assert order["lru"] == [old, c_, b_, a_]  # the least recently used first
+    assert order["tlru"] == [c_, old, b_, a_]  # the safe tail first, then LRU
+
+
+def test_policy_parameters_are_sglangs_config_keys_and_are_checked() -> None:
+    from minirad.kvcache.eviction import POLICIES, SLRUPolicy, TLRUPolicy, get_policy
+
+    assert {"lru", "lfu", "fifo", "slru", "tlru", "priority"} <= set(POLICIES)
+    assert get_policy("slru").protected_threshold == 2  # SGLang's default
+    assert get_policy("slru", protected_threshold=4).protected_threshold == 4
+    tlru = get_policy("tlru", threshold=4096, next_prompt_estimate=512)
+    assert (tlru.threshold, tlru.next_prompt_estimate) == (4096, 512)
+    assert isinstance(tlru, TLRUPolicy) and "4096" in repr(tlru)
+    assert get_policy("tlru", threshold=7.5, next_prompt_estimate=0.5).threshold == 7.5
+    policy = SLRUPolicy(3)
+    assert get_policy(policy) is policy
+    assert RadixCache(eviction_policy=policy).eviction_policy is policy
+    bad = [
+        ("slru", {"protected_threshold": 0}),
+        ("slru", {"protected_threshold": 1.5}),
+        ("slru", {"protected_threshold": True}),
+        ("slru", {"threshold": 2}),  # tlru's key
+        ("tlru", {"threshold": 8, "next_prompt_estimate": 8}),  # nothing ever safe: lru
+        ("tlru", {"threshold": 4, "next_prompt_estimate": 8}),
+        ("tlru", {"threshold": -1, "next_prompt_estimate": 0}),
+        ("tlru", {"threshold": float("inf")}),
+        ("tlru", {"threshold": float("nan")}),
+        ("tlru", {"threshold": "64"}),
+        ("tlru", {"protected_threshold": 2}),
+        ("lru", {"threshold": 1}),
+        (policy, {"protected_threshold": 2}),  # a policy object takes no parameters
+    ]
+    for name, params in bad:
+        with pytest.raises(InvalidArgumentError):
+            get_policy(name, **params)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_policies_evict_single_leaves_in_the_order_of_their_rule(seed: int) -> None:
+    """Leaves under the root only: each policy's rule, computed from the test's own record of
+    what happened to each key, gives the eviction order."""
+    import random
+
+    from minirad.kvcache.eviction import POLICIES, get_policy
+
+    threshold, estimate = 6, 2
+    rng = random.Random(seed)
+    keys = {k: [k] + [50 + k] * (k % 6) for k in range(1, 9)}  # 1 to 6 tokens, own first token
+    ops = [
+        (rng.choice(("insert", "match")), rng.randrange(1, 9), rng.randrange(-1, 3))
+        for _ in range(40)
+    ]
+    tlru = {"threshold": threshold, "next_prompt_estimate": estimate}
+    for name in POLICIES:
+        cache = RadixCache(eviction_policy=get_policy(name, **(tlru if name == "tlru" else {})))
+        rec: dict[int, dict] = {}  # key -> created, last, inserts, matches, priority
+        for step, (op, k, prio) in enumerate(ops):
+            if op == "insert":
+                cache.insert(keys[k], [10 * k + i for i in range(len(keys[k]))], priority=prio)
+                r = rec.setdefault(k, {"created": step, "inserts": 0, "matches": 0, "prio": prio})
+                r["inserts"] += 1
+                r["prio"] = max(r["prio"], prio)
+                r["last"] = step
+            elif k in rec:
+                cache.match_prefix(keys[k])
+                rec[k]["matches"] += 1
+                rec[k]["last"] = step
+        rule = {
+            "lru": lambda k, r: (r["last"],),
+            "lfu": lambda k, r: (r["matches"], r["last"]),
+            "fifo": lambda k, r: (r["created"],),
+            "slru": lambda k, r: (r["inserts"] >= 2, r["last"]),
+            # one node per conversation: nothing above it, L its length: safe if L <= 4
+            "tlru": lambda k, r: (len(keys[k]) + estimate - threshold > 0, r["last"]),
+            "priority": lambda k, r: (r["prio"], r["last"]),
+        }[name]
+        expected = [10 * k for k in sorted(rec, key=lambda k: rule(k, rec[k]))]
+        assert [cache.evict(1)[0] for _ in rec] == expected, name
+        cache.check_invariants()
+
+
+def test_our_keys_order_nodes_as_sglangs_strategies_do(sglang_python) -> None:
+    """SGLang 0.5.23's own ``evict_policy.py`` (run in its venv) ranks the nodes of a tree
+    that our cache built exactly as our policies do, given the node state they read."""
+    import json
+    import random
+    import textwrap
+
+    from minirad.kvcache.eviction import get_policy
+
+    rng = random.Random(0)
+    configs = {
+        "lru": {},
+        "lfu": {},
+        "fifo": {},
+        "slru": {"protected_threshold": 2},
+        "tlru": {"threshold": 6, "next_prompt_estimate": 2},
+        "priority": {},
+    }
+    cache = RadixCache()
+    seen = [[1, 2, 3, 4, 5, 6]]
+    for _ in range(60):
+        base = rng.choice(seen)
+        key = base[: rng.randrange(len(base) + 1)] + [rng.randrange(4) for _ in range(3)]
+        seen.append(key)
+        if rng.random() < 0.7:
+            cache.insert(key, priority=rng.randrange(-1, 3))
+        else:
+            cache.match_prefix(key)
+    all_nodes = nodes(cache)
+    state = {
+        name: [
+            {
+                # SGLang's names for what our nodes keep. Its hit_count is our insert_count,
+                # except that our lfu reads hit_count, the matches (on purpose: radix_cache's
+                # docstring): the rule is SGLang's, the count is not.
+                "hit_count": n.hit_count if name == "lfu" else n.insert_count,
+                "last_access_time": n.last_access_time,
+                "creation_time": n.creation_time,
+                "priority": n.priority,
+                "_tlru_history_len": n.history_len,
+                "_tlru_cached_prefix_len": n.depth,
+                "key": n.key,
+            }
+            for n in all_nodes
+        ]
+        for name in configs
+    }
+    script = textwrap.dedent(
+        """
+        import importlib.util, json, sys, types
+        # the file alone: importing the sglang package would take seconds
+        root = importlib.util.find_spec("sglang").submodule_search_locations[0]
+        path = root + "/srt/mem_cache/evict_policy.py"
+        spec = importlib.util.spec_from_file_location("evict_policy", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        classes = {"lru": mod.LRUStrategy, "lfu": mod.LFUStrategy, "fifo": mod.FIFOStrategy,
+                   "slru": mod.SLRUStrategy, "tlru": mod.TLRUStrategy,
+                   "priority": mod.PriorityStrategy}
+        configs, state = json.load(sys.stdin)
+        out = {"slru default": mod.SLRUStrategy().protected_threshold}
+        for name, config in configs.items():
+            strategy = classes[name](**config)
+            nodes = [types.SimpleNamespace(**s) for s in state[name]]
+            out[name] = [strategy.get_priority(n) for n in nodes]
+        json.dump(out, sys.stdout)
+        """
+    )
+    done = subprocess.run(
+        [str(sglang_python), "-c", script],
+        input=json.dumps([configs, state]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    theirs = json.loads(done.stdout)
+    assert get_policy("slru").protected_threshold == theirs["slru default"]
+    for name, config in configs.items():
+        ours = get_policy(name, **config).priority
+        keys = theirs[name]
+        # SGLang leaves ties to the heap; ours break them by id
+        by_sglang = sorted(range(len(all_nodes)), key=lambda i: (keys[i], all_nodes[i].id))
+        by_ours = sorted(range(len(all_nodes)), key=lambda i: ours(all_nodes[i]))
+        assert by_ours == by_sglang, name
+    # the rules bite on this tree: safe and unsafe leaves, both segments, several priorities
+    assert {k[0] for k in theirs["tlru"]} == {-1, 0}
+    assert {k[0] for k in theirs["slru"]} == {0, 1}
+    assert len({k[0] for k in theirs["priority"]}) > 2

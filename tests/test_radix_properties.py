@@ -12,17 +12,33 @@ by growing it one page at a time. Locks are the prefixes that locks and requests
 every step the tree must hold exactly the model's prefixes and slots, and the memory must add
 up: free + evictable + protected + request-private == capacity, no slot owned twice, no free
 slot still in use.
+
+The model also keeps, per prefix, what the eviction policies read, by SGLang's rules: how many
+inserts counted it (each request once: not again for what it had inserted already), the highest
+priority of those inserts, and the deepest the branch through it has been since it was cached;
+every node must agree with the model on each of its pages. Every eviction must free exactly the
+leaves that a plain re-enactment picks: the policy's smallest key first, a parent joining when
+its last child goes.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minirad import POLICIES, EventBus, RadixCache, Req, TokenToKVPoolAllocator, TreeNode
+from minirad import (
+    POLICIES,
+    EventBus,
+    RadixCache,
+    Req,
+    TokenToKVPoolAllocator,
+    TreeNode,
+    get_policy,
+)
 from minirad.events import EvictEvent
 from minirad.kvcache.kv_pool import block_table_from_slots
 
@@ -35,6 +51,10 @@ picks = st.integers(0, 1000)  # an index into a list, taken modulo its length
 # keys share prefixes and diverge at any offset, inside a page or on its boundary.
 keys = st.tuples(picks, st.integers(0, 12), st.lists(st.integers(0, 3), max_size=6))
 extra_keys = st.sampled_from([None, "ns"])
+priorities = st.integers(-2, 2)
+# Parameters that make the policies' rules bite on keys of at most MAX_FILL tokens: with tlru's
+# defaults (a 64-token budget) every leaf would be safe and tlru would be lru.
+POLICY_PARAMS = {"tlru": {"threshold": 6, "next_prompt_estimate": 2}}
 
 Prefix = tuple  # (extra_key, token tuple)
 
@@ -46,6 +66,7 @@ class Running:
     req: Req
     kv: list[int]
     protected_len: int
+    inserted_len: int = 0
 
 
 class RadixMachine(RuleBasedStateMachine):
@@ -62,8 +83,11 @@ class RadixMachine(RuleBasedStateMachine):
         self.events: list = []
         bus.subscribe(self.events.append)
         self.alloc = TokenToKVPoolAllocator(self.capacity, ps, bus)
-        self.cache = RadixCache(ps, self.policy, self.alloc, bus)
+        policy = get_policy(self.policy, **POLICY_PARAMS.get(self.policy, {}))
+        self.cache = RadixCache(ps, policy, self.alloc, bus)
         self.cached: dict[Prefix, tuple[int, ...]] = {}
+        # What the policies read, per cached prefix: (inserts counted, priority, history).
+        self.stats: dict[Prefix, tuple[int, int, int]] = {}
         self.locks: list[tuple[TreeNode, Prefix]] = []
         self.running: dict[str, Running] = {}
         self.next_rid = 0
@@ -88,13 +112,27 @@ class RadixMachine(RuleBasedStateMachine):
             slots += page
         return slots
 
-    def ref_insert(self, key: list[int], value: list[int], extra_key) -> int:
-        """Cache the whole pages of ``key``; return how many tokens were cached already."""
+    def ref_insert(
+        self, key: list[int], value: list[int], extra_key, inserted_len: int = 0, priority: int = 0
+    ) -> int:
+        """Cache the whole pages of ``key``; return how many tokens were cached already.
+
+        Every page it walks or creates counts the insert (unless the page ends within
+        ``inserted_len``) and takes at least ``priority``; when it creates pages, every page on
+        its path has now been ``n`` tokens deep."""
         ps = self.page_size
         n = len(key) - len(key) % ps
         have = len(self.ref_match(key[:n], extra_key))
-        for end in range(have + ps, n + 1, ps):
-            self.cached[(extra_key, tuple(key[:end]))] = tuple(value[end - ps : end])
+        for end in range(ps, n + 1, ps):
+            p = (extra_key, tuple(key[:end]))
+            count, prio, history = self.stats.get(p, (0, priority, end))
+            if end > have:
+                self.cached[p] = tuple(value[end - ps : end])
+            self.stats[p] = (
+                count + (end > inserted_len),
+                max(prio, priority),
+                max(history, n if n > have else 0),
+            )
         return have
 
     def protected(self) -> set[Prefix]:
@@ -114,7 +152,9 @@ class RadixMachine(RuleBasedStateMachine):
         protected = self.protected()
         evictable = self.page_size * (len(self.cached) - len(protected))
         start = len(self.events)
+        expected = self.expected_victims(num_tokens)
         freed = self.cache.evict(num_tokens)
+        assert freed == expected, "evicted other leaves than the policy ranks first"
         leaves = [e.num_tokens for e in self.events[start:] if isinstance(e, EvictEvent)]
         assert sum(leaves) == len(freed)
         assert not leaves or len(freed) - leaves[-1] < num_tokens, "evicted past the target"
@@ -124,6 +164,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert not gone & protected, "evicted a locked prefix"
         for p in gone:
             del self.cached[p]
+            del self.stats[p]
         ps = self.page_size
         for ek, key in self.cached:  # only leaves went: what stays is prefix-closed
             assert len(key) == ps or (ek, key[:-ps]) in self.cached
@@ -132,6 +173,31 @@ class RadixMachine(RuleBasedStateMachine):
         else:
             assert len(freed) == evictable
         assert not any(self.alloc.is_allocated(s) for s in freed)
+
+    def expected_victims(self, num_tokens: int) -> list[int]:
+        """The slots that evicting ``num_tokens`` must free, in order, from a fresh heap of the
+        unlocked leaves ranked by the policy's key (the cache keeps its heap between calls and
+        trusts its entries to be current)."""
+        root, rank = self.cache.root_node, self.cache.eviction_policy.priority
+        children, heap = {}, []
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            children[node.id] = len(node.children)
+            if not node.children and node.lock_ref == 0:
+                heap.append((rank(node), node.id, node))  # keys end with the id: distinct
+            stack += node.children.values()
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_tokens and heap:
+            node = heapq.heappop(heap)[2]
+            freed += node.value
+            parent = node.parent
+            if parent is not root:
+                children[parent.id] -= 1
+                if children[parent.id] == 0 and parent.lock_ref == 0:
+                    heapq.heappush(heap, (rank(parent), parent.id, parent))
+        return freed
 
     def do_alloc(self, num_tokens: int) -> list[int] | None:
         """Slots for ``num_tokens`` tokens, evicting first if needed (as SGLang's scheduler
@@ -148,14 +214,14 @@ class RadixMachine(RuleBasedStateMachine):
         return self.running[sorted(self.running)[i % len(self.running)]]
 
     # ------------------------------------------------------------------ rules
-    @rule(shape=keys, extra_key=extra_keys)
-    def insert(self, shape, extra_key) -> None:
+    @rule(shape=keys, extra_key=extra_keys, priority=priorities)
+    def insert(self, shape, extra_key, priority) -> None:
         key = self.key(shape)
         value = self.do_alloc(len(key))
         if value is None:
             return
-        expected = self.ref_insert(key, value, extra_key)
-        assert self.cache.insert(key, value, extra_key) == expected
+        expected = self.ref_insert(key, value, extra_key, priority=priority)
+        assert self.cache.insert(key, value, extra_key, priority=priority) == expected
         n = len(key) - len(key) % self.page_size
         self.alloc.free(value[:expected] + value[n:])  # duplicates and the partial page
 
@@ -184,12 +250,12 @@ class RadixMachine(RuleBasedStateMachine):
     def evict(self, num_tokens) -> None:
         self.do_evict(num_tokens)
 
-    @rule(shape=keys, extra_key=extra_keys, sampled=st.integers(0, 3))
-    def start_request(self, shape, extra_key, sampled) -> None:
+    @rule(shape=keys, extra_key=extra_keys, sampled=st.integers(0, 3), priority=priorities)
+    def start_request(self, shape, extra_key, sampled, priority) -> None:
         prompt = self.key(shape, min_len=1)[: MAX_FILL - 2]
         rid = f"r{self.next_rid}"
         self.next_rid += 1
-        req = Req(rid, list(prompt), extra_key=extra_key)
+        req = Req(rid, list(prompt), extra_key=extra_key, priority=priority)
         expected = self.ref_match(prompt[:-1], extra_key)  # the last token is recomputed
         assert self.cache.match_prefix_for_req(req) == expected
         running = Running(req, list(expected), len(expected))
@@ -225,7 +291,8 @@ class RadixMachine(RuleBasedStateMachine):
         the aligned part, the request's duplicate slots, and the aligned length."""
         key = r.req.fill_ids[: len(r.kv)]
         n = len(key) - len(key) % self.page_size
-        have = self.ref_insert(key[:n], r.kv[:n], r.req.extra_key)
+        have = self.ref_insert(key[:n], r.kv[:n], r.req.extra_key, r.inserted_len, r.req.priority)
+        r.inserted_len = max(r.inserted_len, n)
         assert have >= r.protected_len
         return self.ref_match(key[:n], r.req.extra_key), r.kv[r.protected_len : have], n
 
@@ -290,6 +357,23 @@ class RadixMachine(RuleBasedStateMachine):
     def tree_matches_the_model(self) -> None:
         self.cache.check_invariants()
         assert self.tree_entries() == self.cached
+
+    @invariant()
+    def nodes_carry_what_the_policies_read(self) -> None:
+        ps = self.page_size
+        stack = [(child, []) for child in self.cache.root_node.children.values()]
+        while stack:
+            node, above = stack.pop()
+            key = above + node.key
+            assert node.depth == len(key)
+            for end in range(len(above) + ps, len(key) + 1, ps):
+                count, prio, history = self.stats[(node.extra_key, tuple(key[:end]))]
+                assert (node.insert_count, node.priority, node.history_len) == (
+                    count,
+                    prio,
+                    history,
+                ), f"node {node.id}, page ending at {end}"
+            stack += [(child, key) for child in node.children.values()]
 
     @invariant()
     def memory_adds_up(self) -> None:

@@ -42,7 +42,11 @@ __all__ = [
 
 # Every policy the benchmark runs: the cache's own, plus the reuse-aware one that needs to be
 # told when a conversation closes (replay() does, when a conversation's last turn finishes).
-BENCH_POLICIES: tuple[str, ...] = (*POLICIES, ClosedSessionLRUPolicy.name)
+# Not "priority": the trace's requests carry no priority, so it would rank every leaf as lru.
+BENCH_POLICIES: tuple[str, ...] = (
+    *(name for name in POLICIES if name != "priority"),
+    ClosedSessionLRUPolicy.name,
+)
 
 # The waiting queue's orders, named as SGLang's --schedule-policy and our engine's scheduler
 # (minirad/engine/scheduler.py) name them: arrival order, longest cached prefix first.

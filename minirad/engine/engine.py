@@ -79,7 +79,8 @@ class EngineConfig:
             in_batch_prefix_threshold: see :class:`~minirad.engine.SchedulerConfig`.
         max_model_len: context length in tokens; None: the text model's
             ``max_position_embeddings``.
-        eviction_policy: the radix tree's (``"lru"``, ``"lfu"``, ``"fifo"``).
+        eviction_policy: the radix tree's (``"lru"``, ``"lfu"``, ``"fifo"``, ``"slru"``,
+            ``"tlru"``, ``"priority"``: :data:`minirad.kvcache.eviction.POLICIES`).
         encoder_cache_size: image-feature rows the encoder cache keeps.
         seed: seeds the engine's generator, which seeds sampling requests without a seed.
         kv_events_endpoint: publish the radix tree's full blocks as vLLM KV events

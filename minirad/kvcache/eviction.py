@@ -3,11 +3,24 @@
 A policy maps a node to a sort key; ``RadixCache.evict`` pops the smallest key first. Every key
 ends with the node's ``id`` so that ties break the same way on every run (SGLang compares
 ``time.monotonic()`` stamps and leaves ties to the heap; see
-``sglang/srt/mem_cache/evict_policy.py``).
+``sglang/srt/mem_cache/evict_policy.py``, whose definitions the policies below follow).
 
 - ``lru``: least recently used first (``last_access_time``), the paper's policy (§3.1).
 - ``lfu``: least frequently hit first (``hit_count``), then least recently used.
 - ``fifo``: oldest insertion first (``creation_time``), blind to reuse.
+- ``slru``: segmented LRU: nodes cached by fewer than ``protected_threshold`` requests first,
+  LRU within each segment: a reused prefix outlives one-off tails, and unlike lfu a prefix
+  popular long ago does not outlive one reused lately.
+- ``tlru``: tail-optimized LRU: first the tokens a conversation's next turn can lose without
+  prefilling more than ``threshold`` tokens, then LRU: to bound the time to first token.
+- ``priority``: lowest request ``priority`` first (a node keeps the highest of the requests
+  that cached it), then LRU: for requests or tenants that matter more than others.
+
+``slru``, ``tlru`` and ``priority`` read node state that the tree keeps as SGLang does
+(``insert_count``, ``depth`` and ``history_len``, ``priority``; see
+:class:`~minirad.kvcache.radix_cache.TreeNode`). Parameters go by keyword to
+:func:`get_policy` (``get_policy("tlru", threshold=64, next_prompt_estimate=8)``, the keys of
+SGLang's ``--radix-eviction-policy-config``) or to the classes.
 
 :class:`ClosedSessionLRUPolicy` (``lru-closed``) is reuse-aware: LRU, except that the tokens of
 conversations known to be over go first. It needs one fact from the caller, when a session
@@ -17,9 +30,12 @@ closes (the client's last turn, or SGLang's ``close_session``), so it is not in
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from minirad.errors import InvalidArgumentError
 from minirad.kvcache.tokens import as_token_ids
@@ -34,6 +50,9 @@ __all__ = [
     "FIFOPolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "PriorityPolicy",
+    "SLRUPolicy",
+    "TLRUPolicy",
     "get_policy",
 ]
 
@@ -60,6 +79,130 @@ class LFUPolicy:
 class FIFOPolicy:
     name = "fifo"
     priority = staticmethod(attrgetter("creation_time", "id"))
+
+
+class PriorityPolicy:
+    """Lowest ``priority`` first, then least recently used (SGLang's ``priority``).
+
+    A node's ``priority`` is the highest ``priority`` of the requests whose inserts walked or
+    created it (``Req.priority``, ``RadixCache.insert(..., priority=)``; 0 by default), so a
+    prefix shared with an important request is as safe as that request. Matches leave it
+    alone. With every request at priority 0 (SGLang without ``--enable-priority-scheduling``)
+    this is LRU.
+    """
+
+    name = "priority"
+    priority = staticmethod(attrgetter("priority", "last_access_time", "id"))
+
+
+def _check_int(value: Any, name: str, minimum: int) -> None:
+    if type(value) is bool or not isinstance(value, numbers.Integral) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_tokens(value: Any, name: str) -> None:
+    """A token count as SGLang takes it: an int or a float (an average), finite, >= 0."""
+    if (
+        type(value) is bool
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise InvalidArgumentError(f"{name} must be a number of tokens >= 0, got {value!r}")
+
+
+class SLRUPolicy:
+    """Segmented LRU (SGLang's ``slru``): probationary nodes first, then protected ones, each
+    segment least recently used first.
+
+    A node is protected once ``insert_count >= protected_threshold``. ``insert_count`` is
+    SGLang's ``hit_count``: the requests that cached a sequence through the node, the one that
+    created it included. So with the default 2 a prefix that a second request reused is
+    protected, and a tail that only its own request cached is not. Unlike LFU, a count decides
+    only the segment: an idle prefix with many old hits and one with just enough are ordered by
+    recency.
+
+    Args:
+        protected_threshold: an int >= 1 (SGLang's default 2). 1 protects every node (each was
+            cached once), which is LRU.
+
+    Raises:
+        InvalidArgumentError: ``protected_threshold`` is not an int >= 1.
+    """
+
+    name = "slru"
+
+    def __init__(self, protected_threshold: int = 2) -> None:
+        _check_int(protected_threshold, "slru protected_threshold", 1)
+        self.protected_threshold = protected_threshold
+
+    def priority(self, node: TreeNode) -> tuple[int, ...]:
+        protected = 1 if node.insert_count >= self.protected_threshold else 0
+        return (protected, node.last_access_time, node.id)
+
+    def __repr__(self) -> str:
+        return f"SLRUPolicy(protected_threshold={self.protected_threshold})"
+
+
+class TLRUPolicy:
+    """Tail-optimized LRU (SGLang's ``tlru``; Zhang et al., arXiv:2510.15152).
+
+    A conversation whose history has reached ``L`` tokens, and whose next prompt is expected
+    to add ``next_prompt_estimate`` more, prefills at most ``threshold`` tokens on its next
+    turn as long as ``L + next_prompt_estimate - threshold`` of its tokens stay cached (its
+    time to first token stays within budget). Tokens past that budget cannot shorten its
+    worst-case prefill: a leaf whose parent alone still holds the budget (``depth - len(key)``
+    tokens above it) is *safe*. Safe leaves go first, then every other leaf, each least
+    recently used first: the paper's two phases as one sort key.
+
+    ``L`` is the node's ``history_len``, the deepest its branch has ever been; evicting the
+    tail does not lower it, so trimming a conversation stops after ``threshold -
+    next_prompt_estimate`` tokens instead of walking it down to nothing.
+
+    Args:
+        threshold: the prefill budget of a turn, in tokens (the paper states it in blocks:
+            multiply by the page size). An int or a float, >= 0.
+        next_prompt_estimate: the tokens a next prompt is expected to add (>= 0, below
+            ``threshold``).
+
+    The defaults (64 and 8) suit this course's small pools. SGLang has none that it accepts:
+    its server refuses ``tlru`` unless ``--radix-eviction-policy-config`` gives a
+    ``threshold`` above ``next_prompt_estimate``, because otherwise no token is ever safe and
+    the policy is LRU; the same check runs here.
+
+    Raises:
+        InvalidArgumentError: a parameter is not a finite number >= 0, or ``threshold <=
+            next_prompt_estimate``.
+    """
+
+    name = "tlru"
+
+    def __init__(self, threshold: float = 64, next_prompt_estimate: float = 8) -> None:
+        _check_tokens(threshold, "tlru threshold")
+        _check_tokens(next_prompt_estimate, "tlru next_prompt_estimate")
+        if threshold <= next_prompt_estimate:
+            raise InvalidArgumentError(
+                f"tlru threshold ({threshold}) must be greater than next_prompt_estimate "
+                f"({next_prompt_estimate}): otherwise no token is ever safe to evict and "
+                "tlru is lru"
+            )
+        self.threshold = threshold
+        self.next_prompt_estimate = next_prompt_estimate
+
+    def budget(self, node: TreeNode) -> float:
+        """Tokens of ``node``'s branch that must stay cached for its next turn to prefill at
+        most ``threshold`` tokens (0 when the whole branch may go)."""
+        return max(node.history_len + self.next_prompt_estimate - self.threshold, 0)
+
+    def priority(self, node: TreeNode) -> tuple[int, ...]:
+        safe = node.depth - len(node.key) >= self.budget(node)
+        return (0 if safe else 1, node.last_access_time, node.id)
+
+    def __repr__(self) -> str:
+        return (
+            f"TLRUPolicy(threshold={self.threshold}, "
+            f"next_prompt_estimate={self.next_prompt_estimate})"
+        )
 
 
 class ClosedSessionLRUPolicy:
@@ -98,22 +241,41 @@ class ClosedSessionLRUPolicy:
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, LFUPolicy, FIFOPolicy)
+    cls.name: cls
+    for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, SLRUPolicy, TLRUPolicy, PriorityPolicy)
 }
 
 
-def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
-    """A policy instance from its name (``"lru"``, ``"lfu"``, ``"fifo"``) or as given.
+def get_policy(policy: str | EvictionPolicy, **params: Any) -> EvictionPolicy:
+    """A policy instance from its name (a key of :data:`POLICIES`) and parameters, or as given.
 
-    Raises :class:`InvalidArgumentError` for an unknown name.
+    ``params`` are the policy's keyword arguments, named as in SGLang's
+    ``--radix-eviction-policy-config``: ``get_policy("slru", protected_threshold=3)``,
+    ``get_policy("tlru", threshold=64, next_prompt_estimate=8)``.
+
+    Raises:
+        InvalidArgumentError: an unknown name, a parameter the policy does not take (or any
+            parameter with a policy object), or a bad parameter value.
     """
     if not isinstance(policy, str):
         if not callable(getattr(policy, "priority", None)):
             raise InvalidArgumentError(f"{policy!r} is not an eviction policy (no priority())")
+        if params:
+            raise InvalidArgumentError(
+                f"parameters {sorted(params)} go with a policy name, not with a policy object"
+            )
         return policy
     try:
-        return POLICIES[policy]()
+        cls = POLICIES[policy]
     except KeyError:
         raise InvalidArgumentError(
             f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}"
         ) from None
+    takes = list(inspect.signature(cls).parameters)
+    unknown = sorted(set(params) - set(takes))
+    if unknown:
+        raise InvalidArgumentError(
+            f"eviction policy {policy!r} takes no parameter {', '.join(map(repr, unknown))}; "
+            f"it takes {takes or 'none'}"
+        )
+    return cls(**params)

@@ -18,7 +18,7 @@ in the tree); time is a logical clock from :class:`minirad.events.EventBus`; a s
 node *id* on the prefix part (the part whose edge from the parent is unchanged), so drawings
 stay stable, while the suffix keeps the object (a request holding it stays correct);
 ``hit_count`` counts the matches that walked a node (SGLang counts insert paths), so LFU ranks
-prefixes by how often they were *reused*.
+prefixes by how often they were *reused*; ``insert_count`` keeps SGLang's count, for SLRU.
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ def _check_extra_key(extra_key: object) -> None:
         raise InvalidKeyError(f"extra_key must be a str or None, got {extra_key!r}")
 
 
+def _check_priority(priority: object, name: str) -> None:
+    if type(priority) is not int and (
+        type(priority) is bool or not isinstance(priority, numbers.Integral)
+    ):
+        raise InvalidArgumentError(f"{name} must be an int, got {priority!r}")
+
+
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
@@ -94,6 +101,17 @@ class TreeNode:
         last_access_time: logical time of the last match or insert that walked this node.
         creation_time: logical time at which these tokens were inserted.
         hit_count: number of ``match_prefix`` calls that walked through this node.
+        insert_count: number of inserts that walked or created this node, each request counted
+            once (SGLang's ``hit_count``): an insert does not count again the tokens its
+            request had already inserted (``inserted_len``). Read by ``slru``.
+        priority: the highest ``priority`` of the inserts that walked or created this node
+            (SGLang's ``priority``; 0 by default). Never lower than a child's. Read by
+            ``priority``.
+        depth: tokens from the root to the end of this node (SGLang's
+            ``_tlru_cached_prefix_len``).
+        history_len: the deepest ``depth`` of this node and of any node created below it since
+            it was, evicted ones included (SGLang's ``_tlru_history_len``): the ``L`` of
+            ``tlru``.
         extra_key: namespace of the subtree (LoRA id, cache salt), or None.
         key_buf: ``key`` as an ``array("Q")`` (None if an id needs 64 bits or more), which
             edge matching compares with a C ``memcmp``.
@@ -112,6 +130,10 @@ class TreeNode:
         "last_access_time",
         "creation_time",
         "hit_count",
+        "insert_count",
+        "priority",
+        "depth",
+        "history_len",
         "extra_key",
         "key_buf",
         "value_buf",
@@ -136,6 +158,10 @@ class TreeNode:
         self.last_access_time = time
         self.creation_time = time
         self.hit_count = 0
+        self.insert_count = 0
+        self.priority = 0
+        self.depth = len(key) + (parent.depth if parent is not None else 0)
+        self.history_len = self.depth
         self.extra_key = extra_key
         self.key_buf: array | None = None
         self.value_buf = _NO_SLOTS
@@ -184,6 +210,11 @@ class Req:
         prefix_indices: the slots that came from the tree at the last match or insert.
         last_node: the locked node that ends the request's cached prefix.
         cache_protected_len: how many leading ``kv_indices`` belong to the tree.
+        priority: the request's priority (SGLang's ``Req.priority``, 0 when unset): its
+            inserts raise the ``priority`` of the nodes they walk or create to at least this.
+        cache_inserted_len: how many leading tokens this request has inserted into the tree
+            (SGLang's ``cache_inserted_len``): its later inserts do not count them again in
+            ``insert_count``.
     """
 
     rid: str
@@ -194,6 +225,8 @@ class Req:
     prefix_indices: list[int] = field(default_factory=list)
     last_node: TreeNode | None = None
     cache_protected_len: int = 0
+    priority: int = 0
+    cache_inserted_len: int = 0
     # What checked_fill_ids last checked, to check only what changed since.
     _checked: tuple | None = field(default=None, init=False, repr=False)
 
@@ -241,8 +274,9 @@ class RadixCache(RadixEventsMixin):
     Args:
         page_size: tokens per KV page; keys are cut to a multiple of it, splits happen only
             at page boundaries, and two keys that differ inside their first page share nothing.
-        eviction_policy: ``"lru"`` (default), ``"lfu"``, ``"fifo"`` or an
-            :class:`~minirad.kvcache.eviction.EvictionPolicy`.
+        eviction_policy: ``"lru"`` (default), ``"lfu"``, ``"fifo"``, ``"slru"``, ``"tlru"``,
+            ``"priority"`` or an :class:`~minirad.kvcache.eviction.EvictionPolicy` (one with
+            parameters: :func:`~minirad.kvcache.eviction.get_policy`).
         token_to_kv_pool_allocator: the allocator that owns the slots; evicted slots and
             duplicate slots of finished requests are freed to it. None for a simulated cache
             (``evict`` then only returns the slots).
@@ -387,10 +421,19 @@ class RadixCache(RadixEventsMixin):
             return walked, i + m, m
         return walked, i, 0
 
-    def _visit(self, walked: list[TreeNode], cut: int, t: int, hit: bool) -> TreeNode:
+    def _visit(
+        self,
+        walked: list[TreeNode],
+        cut: int,
+        t: int,
+        hit: bool,
+        insert: tuple[int, int] | None = None,
+    ) -> TreeNode:
         """Touch a walk's nodes at time ``t``, split its last node at ``cut`` (in place in
-        ``walked``), count a hit on each if ``hit``; return the node that ends the walk (the
-        root when ``walked`` is empty)."""
+        ``walked``), count a hit on each if ``hit``; for an insert (``insert``: its
+        ``(inserted_len, priority)``) count it on each node that ends past ``inserted_len`` and
+        raise their priority. Return the node that ends the walk (the root when ``walked`` is
+        empty)."""
         self.root_node.last_access_time = t
         for n in walked:
             n.last_access_time = t
@@ -398,28 +441,38 @@ class RadixCache(RadixEventsMixin):
             walked[-1] = self._split_node(walked[-1], cut, t)
         for n in walked if hit else ():
             n.hit_count += 1
+        if insert is not None:
+            inserted_len, priority = insert
+            for n in walked:
+                if n.depth > inserted_len:  # this request has not counted it yet
+                    n.insert_count += 1
+                if n.priority < priority:
+                    n.priority = priority
         node = walked[-1] if walked else self.root_node
-        if node in self.evictable_leaves:  # its priority changed (access time, hit count)
+        if node in self.evictable_leaves:  # its priority changed (access time, hits)
             self._push_evictable(node)
         return node
 
     def _split_node(self, child: TreeNode, m: int, t: int) -> TreeNode:
         """Cut ``parent -> child`` into ``parent -> new -> child`` after ``m`` tokens; return
         ``new``. No KV moves: the slots are divided between the two edges. ``new`` keeps the
-        id, times, hits and ``lock_ref`` (so the size sums hold); ``child`` gets a new id."""
+        id, times, hits, priority, branch history and ``lock_ref`` (so the size sums hold);
+        ``child`` gets a new id and keeps its depth."""
         new = TreeNode(child.id, child.key[:m], child.value[:m], child.parent, t, child.extra_key)
         new.lock_ref, new.hit_count = child.lock_ref, child.hit_count
+        new.insert_count, new.priority = child.insert_count, child.priority
+        new.history_len = child.history_len
         new.creation_time, new.last_access_time = child.creation_time, child.last_access_time
         if child.key_buf is not None:
             new.key_buf, child.key_buf = child.key_buf[:m], child.key_buf[m:]
         new.value_buf, child.value_buf = child.value_buf[:m], child.value_buf[m:]
         child.id = self._next_id
         self._next_id += 1
-        if child in self.evictable_leaves:  # its id, part of its priority, changed
-            self._push_evictable(child)
         child.parent.children[self._child_key(child.key, 0, child.extra_key)] = new
         child.key, child.value, child.parent = child.key[m:], child.value[m:], new
         new.children = {self._child_key(child.key, 0, child.extra_key): child}
+        if child in self.evictable_leaves:  # its id and key, read by priorities, changed
+            self._push_evictable(child)
         self._record(SplitEvent, t, new, child, m)
         return new
 
@@ -436,7 +489,13 @@ class RadixCache(RadixEventsMixin):
 
     # ------------------------------------------------------------------ insert
     def insert(
-        self, key: Sequence[int], value: Sequence[int] | None = None, extra_key: str | None = None
+        self,
+        key: Sequence[int],
+        value: Sequence[int] | None = None,
+        extra_key: str | None = None,
+        *,
+        priority: int = 0,
+        inserted_len: int = 0,
     ) -> int:
         """Add ``key`` (cut to whole pages) with its KV slots ``value``; return ``prefix_len``,
         how many leading tokens of the (aligned) key were already cached.
@@ -447,13 +506,23 @@ class RadixCache(RadixEventsMixin):
         (only without an allocator) gives the new tokens fresh simulated slots 0, 1, 2...
         (SGLang uses the token ids, which would let a repeated token own one slot twice).
 
+        ``priority`` and ``inserted_len`` are SGLang's ``InsertParams``: the inserting request's
+        priority (every node walked or created gets at least it) and how many leading tokens
+        that request inserted before (nodes that end within them do not count this insert
+        in their ``insert_count``).
+
         Raises (every check runs before anything changes):
             InvalidKeyError: bad token ids or slots, ``len(value) != len(key)``, new slots
                 that the tree already owns or that are not whole pages.
             UnknownBlockError: new slots that the allocator has not handed out.
+            InvalidArgumentError: ``priority`` is not an int, or ``inserted_len`` not an int
+                >= 0.
         """
         key, buf = checked_token_ids(key, "key")
         _check_extra_key(extra_key)
+        _check_priority(priority, "priority")
+        if type(inserted_len) is bool or not isinstance(inserted_len, int) or inserted_len < 0:
+            raise InvalidArgumentError(f"inserted_len must be an int >= 0, got {inserted_len!r}")
         slots = None
         if value is not None:
             value, slots = _as_slots(value, "value")
@@ -463,9 +532,21 @@ class RadixCache(RadixEventsMixin):
             raise InvalidArgumentError(
                 "insert needs the slots (value) when the cache has an allocator"
             )
-        return self._insert(self._aligned(key), buf, value, slots, extra_key)
+        return self._insert(
+            self._aligned(key), buf, value, slots, extra_key, int(priority), inserted_len
+        )
 
-    def _insert(self, key, buf, value, slots, extra_key, allocated: bool = False) -> int:
+    def _insert(
+        self,
+        key,
+        buf,
+        value,
+        slots,
+        extra_key,
+        priority: int = 0,
+        inserted_len: int = 0,
+        allocated: bool = False,
+    ) -> int:
         """:meth:`insert` of an aligned, checked key (SGLang's ``_insert_helper``): ``value``
         (at least as long as ``key``; None: simulated) as a list and as the int64 array
         ``slots``; ``allocated``: the allocator has already vouched for them."""
@@ -474,10 +555,16 @@ class RadixCache(RadixEventsMixin):
         if i < n:  # the new slots, checked before the split below changes the tree
             value, slots = self._new_slots(value, slots, i, n, allocated)
         t = self.bus.tick()
-        node = self._visit(walked, cut, t, hit=False)
+        node = self._visit(walked, cut, t, hit=False, insert=(inserted_len, priority))
         leaf = None
         if i < n:
             leaf = self._new_node(key[i:], value, node, t, extra_key)
+            leaf.insert_count = 1 if n > inserted_len else 0
+            leaf.priority = priority
+            up = node  # the branch is n tokens deep now: raise its history (tlru's L)
+            while up is not None and up.history_len < n:
+                up.history_len = n
+                up = up.parent
             # The whole array when it is all new: arrays are never changed in place.
             leaf.key_buf = buf if buf is None or (i == 0 and n == len(buf)) else buf[i:n]
             leaf.value_buf = slots
@@ -743,6 +830,7 @@ class RadixCache(RadixEventsMixin):
             cap = min(cap, max_prefix_len)
         indices, node = self._match(self._aligned(fill[:cap]), buf, req.extra_key, hit=True)
         self._hold(req, node, indices, list(indices))
+        req.cache_inserted_len = 0  # a new (or resumed: SGLang resets it) request
         return indices
 
     def _hold(self, req: Req, node: TreeNode | None, indices: list[int], kv: list[int]) -> None:
@@ -761,6 +849,12 @@ class RadixCache(RadixEventsMixin):
         prefix must be the request's, allocated."""
         if req.last_node is None:
             raise LockError(f"request {req.rid} holds no lock; call match_prefix_for_req first")
+        _check_priority(req.priority, f"request {req.rid}'s priority")
+        done = req.cache_inserted_len
+        if type(done) is bool or not isinstance(done, int) or done < 0:
+            raise InvalidArgumentError(
+                f"request {req.rid}'s cache_inserted_len must be an int >= 0, got {done!r}"
+            )
         fill, buf = req.checked_fill_ids()
         kv, slots = _as_slots(req.kv_indices, "kv_indices")
         if len(kv) > len(fill):
@@ -783,7 +877,7 @@ class RadixCache(RadixEventsMixin):
         """
         token_ids, buf, kv, slots = self._check_req(req)
         n = len(token_ids) - len(token_ids) % self.page_size
-        prefix_len = self._insert(token_ids[:n], buf, kv, slots, req.extra_key, allocated=True)
+        prefix_len = self._insert_req(req, token_ids[:n], buf, kv, slots)
         self._free(kv[req.cache_protected_len : prefix_len])
         new_indices, new_node = self._match(token_ids[:n], buf, req.extra_key, hit=False)
         kv[: len(new_indices)] = new_indices
@@ -808,9 +902,17 @@ class RadixCache(RadixEventsMixin):
         n = prefix_len = req.cache_protected_len
         if is_insert:
             n = len(token_ids) - len(token_ids) % self.page_size
-            prefix_len = self._insert(token_ids[:n], buf, kv, slots, req.extra_key, allocated=True)
+            prefix_len = self._insert_req(req, token_ids[:n], buf, kv, slots)
         self._free(kv[req.cache_protected_len : prefix_len] + kv[n:])
         self._hold(req, None, [], [])
+
+    def _insert_req(self, req: Req, key: list[int], buf, kv: list[int], slots) -> int:
+        """Insert a request's aligned computed tokens ``key`` (slots ``kv``, also as the array
+        ``slots``) with its priority, counting it once per node (``cache_inserted_len``)."""
+        prio, done = int(req.priority), req.cache_inserted_len
+        prefix_len = self._insert(key, buf, kv, slots, req.extra_key, prio, done, allocated=True)
+        req.cache_inserted_len = max(done, len(key))
+        return prefix_len
 
     def _free(self, slots: list[int]) -> None:
         if self.token_to_kv_pool_allocator is not None and slots:
@@ -846,7 +948,8 @@ class RadixCache(RadixEventsMixin):
 
         Checked: parent/child links and child keys; key/value lengths (whole pages, non-empty);
         no slot owned twice (and none free in the allocator); ``lock_ref`` of a parent at least
-        the sum of its children's; evictable/protected sizes; the evictable-leaf set.
+        the sum of its children's; depths, branch histories and priorities consistent with the
+        parent's; evictable/protected sizes; the evictable-leaf set.
         """
         root = self.root_node
         if root.lock_ref != 1 or root.key or root.value or root.parent is not None:
@@ -895,6 +998,12 @@ class RadixCache(RadixEventsMixin):
                 fail(str(e))
         if child.lock_ref < 0:
             fail("negative lock_ref")
+        if child.depth != parent.depth + len(child.key):
+            fail(f"depth {child.depth}, parent's {parent.depth} + {len(child.key)} tokens")
+        if not child.depth <= child.history_len <= parent.history_len:
+            fail(f"history_len {child.history_len} not in [its depth, its parent's]")
+        if parent is not self.root_node and child.priority > parent.priority:
+            fail(f"priority {child.priority} above its parent's {parent.priority}")
         if child.value_buf.tolist() != child.value or (
             child.key_buf is not None and child.key_buf.tolist() != child.key
         ):
