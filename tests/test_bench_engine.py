@@ -20,9 +20,11 @@ from tiny_models import IMAGE_SIZE, bytes_per_token, tiny_llava, tiny_llava_proc
 
 from minirad.bench import main as bench_main
 from minirad.bench.engine import (
+    default_workloads,
     format_report,
     run_engine_benchmark,
     shared_workload,
+    text_workload,
     unique_workload,
 )
 from minirad.bench.peer import kv_memory
@@ -103,6 +105,88 @@ def report_row(report: str, name: str) -> list[list[str]]:
     """The cells of row ``name`` in each workload's table, split at the column gaps."""
     rows = [ln for ln in report.splitlines() if ln.startswith(name + "  ")]
     return [[c.strip() for c in ln[len(name) :].split("  ") if c.strip()] for ln in rows]
+
+
+def test_text_workload_has_no_images_and_the_same_answers(llava):
+    """Workload (c): system prompts x questions, text only; HF generate() on the LLaVA with
+    no image and our engine agree, and the tree reuses each system prompt."""
+    model, processor = llava
+    text = text_workload(processor, ["w20 w21 w22 w23 w24 w25", "w26 w27 w28"], ["w10", "w11"])
+    assert text.description == "2 system prompts x 2 questions, no images"
+    assert all(images == [] and "<image>" not in t for t, images in text.requests)
+    (r,) = run_engine_benchmark(model, processor, [text], batch_size=2, max_new_tokens=MAX_NEW)
+    radix, none = r.minirad
+    assert r.mismatches(radix) == r.mismatches(none) == 0
+    assert r.hf.encoder_calls == radix.encoder_calls == 0
+    assert radix.cached_tokens > 0 and radix.prefill_tokens < none.prefill_tokens
+
+
+def test_default_workloads_by_name(llava):
+    """``names`` picks workloads (in shared, unique, text order); the shared and unique ones of
+    a seed do not change when text is asked for too."""
+    _, processor = llava
+    kwargs = {"num_images": 1, "num_questions": 2, "num_unique": 2, "num_system_prompts": 3}
+    both = default_workloads(processor, **kwargs)
+    every = default_workloads(processor, **kwargs, names=("text", "unique", "shared"))
+    assert [w.name for w in both] == ["shared", "unique"]
+    assert [w.name for w in every] == ["shared", "unique", "text"]
+    assert [w.requests for w in every[:2]] == [w.requests for w in both]
+    text = every[2]
+    assert len(text.requests) == 3 * 2 and all(ims == [] for _, ims in text.requests)
+    assert "The picture shows" in text.requests[0][0]  # the scene, in words
+    with pytest.raises(InvalidArgumentError):
+        default_workloads(processor, **kwargs, names=("pictures",))
+
+
+def test_report_with_two_peers(results):
+    """Each peer is a column of its own, with its own 'against' line and note."""
+    r = results[0]
+    vllm = dataclasses.replace(r.minirad[1], name="vLLM 0.32.0", encoder_calls=None)
+    sglang = dataclasses.replace(r.minirad[1], name="SGLang 0.5.23", encoder_calls=None)
+    report = format_report([dataclasses.replace(r, peers=[vllm, sglang])])
+    header = next(ln for ln in report.splitlines() if "HF generate" in ln)
+    assert header.split()[-4:] == ["vLLM", "0.32.0", "SGLang", "0.5.23"]
+    assert report_row(report, "mismatches vs HF") == [["-", "0", "0", "0", "0"]]
+    assert report_row(report, "encoder calls")[0][-2:] == ["n/a", "n/a"]
+    for name in ("vLLM 0.32.0", "SGLang 0.5.23"):
+        assert sum(ln.startswith(f"against {name}: minirad radix") for ln in report.splitlines())
+    assert "vLLM: timed inside its worker process" in report
+    assert "SGLang: the offline sglang.Engine" in report
+
+
+@pytest.mark.parametrize(
+    "peers", [["--peer", "vllm", "--peer", "sglang"], ["--peer", "vllm,sglang"]]
+)
+def test_peer_sglang_refuses_workloads_with_images_before_starting(tmp_path, capsys, peers):
+    """SGLang 0.5.23 serves no LLaVA on CPU: with images in a workload the command says so
+    and which workload to use, before any peer starts (no venv is looked for)."""
+    for workloads in ([], ["--workload", "shared,text"]):
+        with pytest.raises(SystemExit) as e:
+            bench_main(["engine", "--model", str(tmp_path), *peers, *workloads])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "cannot serve LLaVA on CPU" in err and "--workload text" in err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--peer", "sglang,hf"], "one or more of vllm, sglang"),
+        (["--workload", "pictures"], "one or more of shared, unique, text"),
+        (["--peer-schedule-policy", "lpm"], "give --peer sglang"),
+        (["--peer", "vllm", "--peer-schedule-policy", "lpm"], "give --peer sglang"),
+        (["--peer", "sglang", "--peer-num-gpu-blocks", "9"], "give --peer vllm"),
+        (["--peer", "sglang", "--peer-schedule-policy", "lmp"], "invalid choice: 'lmp'"),
+        (["--peer", "vllm,sglang", "--peer-omp-threads-bind", "auto"], "a list of CPUs"),
+        (["--peer", "sglang", "--peer-omp-threads-bind", "0-4096"], "this process may use"),
+    ],
+)
+def test_peer_options_are_checked(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        bench_main(["engine", "--model", str(tmp_path), "--workload", "text", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_kv_memory_of_every_run(llava, results):

@@ -131,8 +131,9 @@ def distributions_for(module: str) -> set[str]:
 # Developer tools inside the packages that may import dev-only dependencies (they import them
 # inside the function that needs them and say what to install when they are missing).
 DEV_TOOLS = {"viz/bench.py"}
-# Run by the real vLLM's own venv (`make vllm`), never imported here: vllm is its dependency.
-VLLM_VENV_SCRIPTS = {"minirad/bench/vllm_worker.py"}
+# Run by the real vLLM's and SGLang's own venvs (`make vllm`, `make sglang`), never imported
+# here: vllm and sglang are their dependencies.
+VLLM_VENV_SCRIPTS = {"minirad/bench/vllm_worker.py", "minirad/bench/sglang_worker.py"}
 
 
 def test_every_third_party_import_is_declared():

@@ -208,3 +208,15 @@ def test_bad_arguments_are_rejected():
     for bad in (0, -3, 2.5):
         with pytest.raises(InvalidArgumentError, match="positive int"):
             belady(trace, bad)
+
+
+def test_hits_per_request_sum_to_the_total() -> None:
+    trace = make_chat_trace(40, seed=3, system_prompt_len=(20, 60))
+    capacity = trace.peak_running_tokens() + 200
+    result = belady(trace, capacity)
+    assert len(result.request_hit_tokens) == len(trace.requests)
+    assert sum(result.request_hit_tokens) == result.hit_tokens > 0
+    assert all(
+        0 <= h < len(r.prompt)
+        for h, r in zip(result.request_hit_tokens, trace.requests, strict=True)
+    )

@@ -4,8 +4,9 @@
   hit rates and throughput with no cache, every eviction policy and an infinite cache
   (:mod:`minirad.bench.radix`, trace in :mod:`minirad.bench.trace`).
 - ``engine``: the same VLM requests through Hugging Face ``generate()``, our engine and, with
-  ``--peer vllm``, the real vLLM (throughput, time to first token, prefill and cached tokens,
-  encoder calls; answers must match) (:mod:`minirad.bench.engine`, :mod:`minirad.bench.peer`).
+  ``--peer vllm`` / ``--peer sglang``, the real vLLM and SGLang (throughput, time to first
+  token, prefill and cached tokens, encoder calls; answers must match) (:mod:`minirad.bench.engine`,
+  :mod:`minirad.bench.peer`, :mod:`minirad.bench.sglang_peer`).
 - ``structured``: the JSON task on fresh scenes, free, under a grammar without and with
   jump-forward, HF ``generate()`` with the same grammar and, with ``--peer vllm``, vLLM's
   structured outputs (tok/s, steps, forced tokens, mask cost per row, valid and exact
@@ -22,10 +23,14 @@
 
 - ``decode``: one decode step of the model, ms per step with HF's weights, with prepacked
   weights and with cascade attention over a shared prefix (:mod:`minirad.bench.decode`).
+- ``sglang-cache``: the real SGLang's cached tokens beside our radix tree's, request by
+  request, on a text chat workload with evictions; ``--policies``: its eviction policies
+  beside ours and Belady's MIN (:mod:`minirad.bench.sglang_cache`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
-:func:`main` registers them as subcommands, importing only the one it runs (``engine`` pulls in
-transformers: seconds of start-up that ``radix`` does not need).
+:func:`main` registers them as subcommands (``-`` in a name is ``_`` in its module's), importing
+only the one it runs (``engine`` pulls in transformers: seconds of start-up that ``radix`` does
+not need).
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ from minirad.errors import MiniradError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = {  # subcommand (= module name) -> help
+_COMMANDS = {  # subcommand (= module name, "-" for "_") -> help
     "radix": "radix-cache hit rate, throughput and % of optimal on a multi-turn chat trace",
-    "engine": "our engine against HF generate() (and the real vLLM: --peer vllm) on VLM requests",
+    "engine": "our engine against HF generate() (and the real vLLM, SGLang: --peer vllm,sglang) "
+    "on VLM and text requests",
     "structured": "JSON answers: free vs grammar vs jump-forward, HF + grammar (and vLLM: "
     "--peer vllm)",
     "routing": "router policies over N simulated replicas (radix caches): hit rate, balance",
@@ -51,6 +57,8 @@ _COMMANDS = {  # subcommand (= module name) -> help
     "req/s, p50 / p99 latency",
     "decode": "one decode step of B requests sharing a prefix: plain, prepacked weights, "
     "cascade attention",
+    "sglang-cache": "the real SGLang's cached tokens beside our radix tree's, request by request "
+    "(and its eviction policies: --policies)",
 }
 
 
@@ -75,7 +83,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
         if only in (None, name):
-            module = importlib.import_module(f".{name}", __name__)
+            module = importlib.import_module(f".{name.replace('-', '_')}", __name__)
             module.add_arguments(p)
             p.set_defaults(run=module.run_cli)
     return parser

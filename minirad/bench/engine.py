@@ -1,11 +1,13 @@
 """Engine benchmark: the same requests through Hugging Face ``generate()``, our engine and,
-with ``--peer vllm``, the real vLLM.
+with ``--peer vllm`` and / or ``--peer sglang``, the real vLLM and SGLang.
 
-Two workloads, greedy, with the same number of requests in flight: *shared* (images x questions
-behind one system prompt: what the radix tree and the encoder cache save) and *unique* (nothing
-to share: the engine's overhead). The systems take turns within one invocation; each keeps its
-fastest run, and every answer must match HF's token for token. What each system runs and what
-each row measures: docs/benchmarks.md, "The engine against Hugging Face and vLLM".
+Three workloads, greedy, with the same number of requests in flight: *shared* (images x questions
+behind one system prompt: what the radix tree and the encoder cache save), *unique* (nothing
+to share: the engine's overhead) and *text* (no images: system prompts that describe a scene in
+words, several questions each; the one SGLang can run, as it serves no LLaVA on CPU). The
+systems take turns within one invocation; each keeps its fastest run, and every answer must
+match HF's token for token. What each system runs and what each row measures:
+docs/benchmarks.md, "The engine against Hugging Face and vLLM".
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ from minirad.course.scenes import (
     CAPTION_PROMPT,
     DEFAULT_IMAGE_SIZE,
     SYSTEM_PROMPTS,
+    Scene,
     ask,
+    caption,
     random_scene,
     render,
+    shapes_json,
 )
 from minirad.engine import (
     PREFIX_STRATEGIES,
@@ -46,7 +51,7 @@ from minirad.errors import InvalidArgumentError, PeerError
 from minirad.models import DEFAULT_MODEL_DIR, load_model
 
 if TYPE_CHECKING:
-    from minirad.bench.peer import VLLMPeer
+    from minirad.bench.peer import WorkerPeer
 
 __all__ = [
     "WorkloadResult",
@@ -58,6 +63,7 @@ __all__ = [
     "run_hf",
     "run_minirad",
     "shared_workload",
+    "text_workload",
     "unique_workload",
 ]
 
@@ -74,15 +80,16 @@ QUESTIONS = (
 )
 
 
-def _template(processor, question: str, system_prompt: str | None) -> str:
-    """One image, then the question, in the processor's chat template (a system turn first
-    if ``system_prompt``)."""
+def _template(processor, question: str, system_prompt: str | None, image: bool = True) -> str:
+    """One image (unless not ``image``), then the question, in the processor's chat template
+    (a system turn first if ``system_prompt``)."""
     if getattr(processor, "chat_template", None) is None:
         raise InvalidArgumentError(
             "the benchmark needs a model whose processor has a chat template"
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    content = [{"type": "image"}, {"type": "text", "text": question}]
+    content = [{"type": "image"}] if image else []
+    content.append({"type": "text", "text": question})
     messages.append({"role": "user", "content": content})
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -114,12 +121,50 @@ def unique_workload(processor, images: Sequence[Image.Image], questions: Sequenc
     return Workload("unique", f"{len(images)} distinct images, each with its own question", reqs)
 
 
+def text_workload(processor, system_prompts: Sequence[str], questions: Sequence[str]) -> Workload:
+    """Workload (c): every question after every system prompt, prompt by prompt, no images."""
+    reqs = [
+        (_template(processor, q, s, image=False), []) for s in system_prompts for q in questions
+    ]
+    return Workload(
+        "text",
+        f"{len(system_prompts)} system prompts x {len(questions)} questions, no images",
+        reqs,
+    )
+
+
+def scene_system_prompt(scene: Scene) -> str:
+    """A system prompt that gives ``scene`` in words instead of a picture: the shared
+    workload's system prompt, the scene's caption and its shapes as JSON."""
+    return f"{SYSTEM_PROMPT} The picture shows {caption(scene)}. As JSON: {shapes_json(scene)}"
+
+
+WORKLOADS = ("shared", "unique", "text")
+
+
 def default_workloads(
-    processor, num_images: int = 16, num_questions: int = 8, num_unique: int = 64, seed: int = 0
+    processor,
+    num_images: int = 16,
+    num_questions: int = 8,
+    num_unique: int = 64,
+    seed: int = 0,
+    names: Sequence[str] = ("shared", "unique"),
+    num_system_prompts: int = 16,
 ) -> list[Workload]:
-    """Both workloads over scenes of :mod:`minirad.course.scenes` (``num_questions`` at most 8)."""
+    """The workloads ``names`` (of :data:`WORKLOADS`, in that order) over scenes of
+    :mod:`minirad.course.scenes` (``num_questions`` at most 8). The text workload's system
+    prompts describe ``num_system_prompts`` scenes of their own (:func:`scene_system_prompt`)
+    and ask the shared workload's questions.
+
+    Raises:
+        InvalidArgumentError: a bad count or an unknown workload.
+    """
     if not 1 <= num_questions <= len(QUESTIONS):
         raise InvalidArgumentError(f"num_questions must be in 1..{len(QUESTIONS)}")
+    if unknown := set(names) - set(WORKLOADS):
+        raise InvalidArgumentError(f"unknown workloads {sorted(unknown)}; known: {WORKLOADS}")
+    if not names:
+        raise InvalidArgumentError("no workload")
     rng = random.Random(seed)
     scenes = [random_scene(rng, DEFAULT_IMAGE_SIZE) for _ in range(num_images + num_unique)]
     unique_scenes, questions = [], []
@@ -138,15 +183,23 @@ def default_workloads(
                 break
     if len(questions) < num_unique:
         raise InvalidArgumentError(f"cannot draw {num_unique} distinct questions")
-    return [
-        shared_workload(
+    # Drawn after the others, so that a seed's shared and unique workloads stay as they were.
+    text_scenes = [random_scene(rng, DEFAULT_IMAGE_SIZE) for _ in range(num_system_prompts)]
+    workloads = {
+        "shared": lambda: shared_workload(
             processor,
             [render(s) for s in scenes[:num_images]],
             QUESTIONS[:num_questions],
             SYSTEM_PROMPT,
         ),
-        unique_workload(processor, [render(s) for s in unique_scenes], questions),
-    ]
+        "unique": lambda: unique_workload(processor, [render(s) for s in unique_scenes], questions),
+        "text": lambda: text_workload(
+            processor,
+            [scene_system_prompt(s) for s in text_scenes],
+            QUESTIONS[:num_questions],
+        ),
+    }
+    return [workloads[name]() for name in WORKLOADS if name in names]
 
 
 class _FirstTokenTimer(LogitsProcessor):
@@ -274,29 +327,23 @@ def run_minirad(
 
 @dataclass
 class WorkloadResult:
-    """HF, every minirad run and the peer's run (if any) of one workload."""
+    """HF, every minirad run and each peer's run (if any) of one workload."""
 
     workload: Workload
     batch_size: int
     max_new_tokens: int
     hf: RunResult
     minirad: list[RunResult] = field(default_factory=list)
-    peer: RunResult | None = None
+    peers: list[RunResult] = field(default_factory=list)
 
     @property
     def runs(self) -> list[RunResult]:
-        """HF first, then minirad's runs, then the peer's."""
-        return [self.hf, *self.minirad, *([self.peer] if self.peer else [])]
+        """HF first, then minirad's runs, then the peers'."""
+        return [self.hf, *self.minirad, *self.peers]
 
     def mismatches(self, run: RunResult) -> int:
         """Requests whose answer differs from HF's."""
         return sum(a != b for a, b in zip(run.outputs, self.hf.outputs, strict=True))
-
-
-# vLLM's model worker busy-polls its shared-memory queue for 1 s after its last read before it
-# sleeps (SpinCondition.busy_loop_s, vllm/distributed/device_communicators/shm_broadcast.py):
-# the next system waits that out rather than share a core with it.
-PEER_IDLE_S = 1.5
 
 
 def run_engine_benchmark(
@@ -307,37 +354,41 @@ def run_engine_benchmark(
     max_new_tokens: int = 16,
     strategies: Sequence[str] = ("radix", "none"),
     repeat: int = 1,
-    peer: VLLMPeer | None = None,
+    peers: Sequence[WorkerPeer] = (),
     **engine_kwargs,
 ) -> list[WorkloadResult]:
     """Run every workload through HF, through the engine once per prefix strategy and
-    through ``peer`` (a real vLLM, if given), ``repeat`` times in turn, keeping each system's
-    fastest run (as ``timeit`` does: on a shared machine the slower runs measure the other
-    jobs). The peer's prefix, image and encoder caches are reset before each of its runs, as
-    each minirad run gets a fresh engine. Every run's ``rss`` is the peak RSS of the
-    processes that run it, over the run (:func:`~minirad.bench.rss.peak_rss`: this process
-    for HF and minirad, vLLM's processes for the peer).
+    through each of ``peers`` (a real vLLM, a real SGLang), ``repeat`` times in turn, keeping
+    each system's fastest run (as ``timeit`` does: on a shared machine the slower runs measure
+    the other jobs). A peer's prefix caches (and vLLM's image and encoder caches) are reset
+    before each of its runs, as each minirad run gets a fresh engine, and after each run it
+    gets its ``idle_s`` to stop polling before the next system runs. Every run's ``rss`` is the
+    peak RSS of the processes that run it, over the run (:func:`~minirad.bench.rss.peak_rss`:
+    this process for HF and minirad, the peer's processes for a peer).
 
     One warm-up ``generate()`` first on every side, so that none pays for first-call costs.
 
     Raises:
-        InvalidArgumentError: an unknown strategy or engine setting, ``repeat`` < 1, or a
-            peer that runs another number of requests at once than ``batch_size``.
-        PeerError: the peer failed (see :class:`~minirad.bench.peer.VLLMPeer`).
+        InvalidArgumentError: an unknown strategy or engine setting, ``repeat`` < 1, a
+            peer that runs another number of requests at once than ``batch_size``, or a
+            workload a peer cannot run (SGLang: images).
+        PeerError: a peer failed (see :class:`~minirad.bench.peer.VLLMPeer`,
+            :class:`~minirad.bench.sglang_peer.SGLangPeer`).
     """
     if unknown := set(strategies) - set(PREFIX_STRATEGIES):
         raise InvalidArgumentError(f"unknown prefix strategies {sorted(unknown)}")
     if repeat < 1:
         raise InvalidArgumentError(f"repeat must be >= 1, got {repeat}")
-    if peer is not None and peer.info["max_num_seqs"] != batch_size:
-        raise InvalidArgumentError(
-            f"the peer runs {peer.info['max_num_seqs']} requests at once, the bench {batch_size}"
-        )
+    for peer in peers:
+        if peer.max_num_seqs != batch_size:
+            raise InvalidArgumentError(
+                f"{peer.name} runs {peer.max_num_seqs} requests at once, the bench {batch_size}"
+            )
     warm = Workload("warm-up", "", workloads[0].requests[:1])
     run_hf(model, processor, warm, 1, 2)
-    if peer is not None:
+    for peer in peers:
         peer.generate(warm, 2)
-        time.sleep(PEER_IDLE_S)
+        time.sleep(peer.idle_s)
 
     def fastest(a: RunResult | None, b: RunResult) -> RunResult:
         return b if a is None or b.seconds < a.seconds else a
@@ -351,7 +402,7 @@ def run_engine_benchmark(
 
     results = []
     for w in workloads:
-        hf, runs, peer_run = None, dict.fromkeys(strategies), None
+        hf, runs, peer_runs = None, dict.fromkeys(strategies), [None] * len(peers)
         for _ in range(repeat):
             hf = fastest(hf, measured(run_hf, model, processor, w, batch_size, max_new_tokens))
             for s in strategies:
@@ -366,13 +417,13 @@ def run_engine_benchmark(
                     **engine_kwargs,
                 )
                 runs[s] = fastest(runs[s], run)
-            if peer is not None:
+            for i, peer in enumerate(peers):
                 if not peer.reset_prefix_cache():
-                    raise PeerError("vLLM refused to reset its prefix cache")
-                peer_run = fastest(peer_run, peer.generate(w, max_new_tokens))
-                time.sleep(PEER_IDLE_S)
+                    raise PeerError(f"{peer.name} refused to reset its prefix cache")
+                peer_runs[i] = fastest(peer_runs[i], peer.generate(w, max_new_tokens))
+                time.sleep(peer.idle_s)
         results.append(
-            WorkloadResult(w, batch_size, max_new_tokens, hf, list(runs.values()), peer_run)
+            WorkloadResult(w, batch_size, max_new_tokens, hf, list(runs.values()), peer_runs)
         )
     return results
 
@@ -447,8 +498,7 @@ def _table(r: WorkloadResult) -> str:
         lines.append(
             f"{k:<{w0}}" + "".join(f"  {v:>{w}}" for v, w in zip(vals, widths, strict=True))
         )
-    if r.peer is not None:
-        p = r.peer
+    for p in r.peers:
         lines.append(
             f"against {p.name}: "
             + ", ".join(
@@ -459,8 +509,8 @@ def _table(r: WorkloadResult) -> str:
 
 
 def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | None = None) -> str:
-    """A table per workload: one column per system, cells with their ratio to HF; with a
-    peer, minirad's throughput against the peer's. ``threads``: each side's thread
+    """A table per workload: one column per system, cells with their ratio to HF; with
+    peers, minirad's throughput against each peer's. ``threads``: each side's thread
     settings, by side, printed last."""
     note = (
         "TTFT: minirad per request from submission (queueing included); HF per batch, its "
@@ -475,7 +525,8 @@ def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | N
         "HF and minirad share this process and its weights, each run after a garbage"
         " collection and malloc_trim; minirad's KV pool is made in each run (in its peak only)."
     )
-    if any(r.peer for r in results):
+    peers = {p.name.split()[0] for r in results for p in r.peers}
+    if "vLLM" in peers:
         note += (
             "\nvLLM: timed inside its worker process around LLM.generate; TTFT is vLLM's own"
             " (RequestOutput.metrics), per request from its arrival (queueing included);\n"
@@ -485,23 +536,68 @@ def format_report(results: Sequence[WorkloadResult], threads: dict[str, str] | N
             "vLLM's RSS: the sum over those processes of each one's peak, its KV pool (made at"
             " start-up) included; pages they share count in each process: an upper bound."
         )
+    if "SGLang" in peers:
+        note += (
+            "\nSGLang: the offline sglang.Engine, timed inside its worker process around the"
+            " batch; TTFT is SGLang's own (meta_info first_token_latency), per request from its"
+            " arrival (queueing included);\n"
+            "it serves the LLaVA's text half (a LlamaForCausalLM of the same weights and"
+            " tokenizer: SGLang 0.5.23 cannot serve LLaVA on CPU), so text workloads only; its"
+            " radix tree is flushed before each run; its KV pool is as large as ours"
+            " (--num-kv-slots) and reports no per-step usage (n/a);\n"
+            "its tokenizer manager, scheduler (the model) and detokenizer are processes of"
+            " their own (threads and CPUs below); its RSS is summed over them, as vLLM's."
+        )
     blocks = [_table(r) for r in results] + [note]
     if threads:
         blocks.append("threads:\n" + "\n".join(f"{k}: {v}" for k, v in threads.items()))
     return "\n\n".join(blocks)
 
 
-PEERS = ("vllm",)
+PEERS = ("vllm", "sglang")
+
+
+def _names(choices: Sequence[str]):
+    """``argparse`` type: a comma-separated list of ``choices`` (for ``action="extend"``)."""
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names or any(n not in choices for n in names):
+            raise argparse.ArgumentTypeError(
+                f"must be one or more of {', '.join(choices)} (comma-separated), got {text!r}"
+            )
+        return names
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``engine`` subcommand's options."""
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local model folder")
+    parser.add_argument(
+        "--workload",
+        dest="workloads",
+        type=_names(WORKLOADS),
+        action="extend",
+        default=None,
+        metavar="NAME",
+        help="workloads to run, repeatable or comma-separated: shared (a), unique (b), text (c: "
+        "no images, the one SGLang runs); default: shared and unique",
+    )
     parser.add_argument("--images", type=positive_int, default=16, help="workload (a) images")
     parser.add_argument(
-        "--questions", type=positive_int, default=8, help="workload (a) questions per image (<= 8)"
+        "--questions",
+        type=positive_int,
+        default=8,
+        help="workload (a) questions per image, (c) per system prompt (<= 8)",
     )
     parser.add_argument("--unique", type=positive_int, default=64, help="workload (b) requests")
+    parser.add_argument(
+        "--system-prompts",
+        type=positive_int,
+        default=16,
+        help="workload (c) system prompts (each a scene in words)",
+    )
     parser.add_argument("--batch-size", type=positive_int, default=8, help="requests in flight")
     parser.add_argument(
         "--max-new-tokens", type=positive_int, default=16, help="most tokens each answer may get"
@@ -532,9 +628,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--peer",
-        choices=PEERS,
+        dest="peers",
+        type=_names(PEERS),
+        action="extend",
         default=None,
-        help="also run a real engine: vllm (its own venv, `make vllm`; about 40 s to start)",
+        metavar="NAME",
+        help="also run real engines, repeatable or comma-separated: vllm (its own venv, `make "
+        "vllm`; about 40 s to start), sglang (`make sglang`; about 20 s; text workload only: "
+        "SGLang 0.5.23 serves no LLaVA on CPU, so it runs the LLaVA's text half)",
     )
     parser.add_argument(
         "--peer-num-gpu-blocks",
@@ -544,14 +645,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(num_gpu_blocks_override; e.g. num-kv-slots / 32 + 1 for minirad's pool); "
         "default: what 1 GiB holds",
     )
+    from minirad.bench.sglang_peer import SCHEDULE_POLICIES  # standard library and msgspec
+
+    parser.add_argument(
+        "--peer-schedule-policy",
+        default=None,
+        choices=SCHEDULE_POLICIES,
+        metavar="POLICY",
+        help="SGLang's --schedule-policy (fcfs, lpm, dfs-weight...); default: its own, fcfs, "
+        "which unlike lpm and our engine computes a prefix shared within one batch once per "
+        "request",
+    )
     parser.add_argument(
         "--peer-omp-threads-bind",
         default=None,
         metavar="CPUS",
-        help="the CPUs of vLLM's OpenMP compute threads, one thread per CPU "
-        "(VLLM_CPU_OMP_THREADS_BIND: e.g. 0-1 for both cores of a 2-core machine, auto, "
-        "nobind); default: vLLM's auto (on a small machine one core for compute, the other "
-        "left to its front end)",
+        help="the CPUs of each peer's OpenMP compute threads, one thread per CPU: vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND (e.g. 0-1 for both cores of a 2-core machine, auto, "
+        "nobind); SGLang's processes pinned to them (0-1, 0,1); default: vLLM's auto (on a "
+        "small machine one core for compute, the other left to its front end), SGLang "
+        "unpinned with one OpenMP thread",
     )
 
 
@@ -560,41 +673,77 @@ def run_cli(args: argparse.Namespace) -> int:
     fp32 (in bf16, kernels that add in other orders may break near-ties differently).
 
     Raises:
-        InvalidArgumentError: no model folder, ``--peer-num-gpu-blocks`` or
-            ``--peer-omp-threads-bind`` without a peer, a ``--device`` this process cannot use
-            (:func:`~minirad.engine.resolve_device`), or a peer with a device other than cpu.
-        PeerError: ``--peer vllm`` without the vLLM venv (the message says how to build it),
-            or the vLLM worker failed.
+        InvalidArgumentError: no model folder, ``--peer-num-gpu-blocks`` without the vLLM
+            peer, ``--peer-schedule-policy`` without the SGLang peer (or one it lacks),
+            ``--peer-omp-threads-bind`` without a peer, ``--peer sglang`` with a
+            workload that has images (checked before anything starts), a ``--device`` this
+            process cannot use (:func:`~minirad.engine.resolve_device`), or a peer with a
+            device other than cpu.
+        PeerError: a peer without its venv (the message says how to build it), or its worker
+            failed.
     """
+    peers = list(dict.fromkeys(args.peers or ()))  # in the order given, each once
+    names = args.workloads or ["shared", "unique"]
     if not Path(args.model).is_dir():
         raise InvalidArgumentError(f"model folder {args.model!r} not found")
-    if args.peer_num_gpu_blocks is not None and args.peer is None:
-        raise InvalidArgumentError("--peer-num-gpu-blocks sizes the peer's pool: give --peer")
-    if args.peer_omp_threads_bind is not None and args.peer is None:
+    if args.peer_num_gpu_blocks is not None and "vllm" not in peers:
+        raise InvalidArgumentError("--peer-num-gpu-blocks sizes vLLM's pool: give --peer vllm")
+    if args.peer_schedule_policy is not None and "sglang" not in peers:
+        raise InvalidArgumentError("--peer-schedule-policy is SGLang's: give --peer sglang")
+    if args.peer_omp_threads_bind is not None and not peers:
         raise InvalidArgumentError("--peer-omp-threads-bind binds the peer's threads: give --peer")
+    if "sglang" in peers:
+        from minirad.bench.sglang_peer import NO_IMAGES, cpu_list
+
+        if with_images := [n for n in names if n != "text"]:
+            raise InvalidArgumentError(
+                f"{NO_IMAGES}: run it with --workload text (not {', '.join(with_images)})"
+            )
+        if args.peer_omp_threads_bind is not None:  # before any peer starts
+            cpu_list(args.peer_omp_threads_bind)
     device = resolve_device(args.device)
-    if device.type != "cpu" and args.peer is not None:
-        raise InvalidArgumentError(f"--peer {args.peer} is a CPU build: run it with --device cpu")
+    if device.type != "cpu" and peers:
+        raise InvalidArgumentError(
+            f"--peer {','.join(peers)}: CPU builds, run them with --device cpu"
+        )
     torch.set_num_threads(args.threads)
     transformers.logging.disable_progress_bar()  # "Loading weights" bars would mix with the report
     with contextlib.ExitStack() as stack:
-        peer = None
-        if args.peer == "vllm":
-            from minirad.bench.peer import VLLMPeer  # peer.py imports this module's types
+        running = []
+        for name in peers:
+            if name == "vllm":
+                from minirad.bench.peer import VLLMPeer
 
-            peer = stack.enter_context(
-                VLLMPeer(
+                peer = VLLMPeer(
                     args.model,
                     max_num_seqs=args.batch_size,
                     num_gpu_blocks_override=args.peer_num_gpu_blocks,
                     omp_threads_bind=args.peer_omp_threads_bind,
                     dtype=args.dtype,
                 )
-            )
+            else:
+                from minirad.bench.sglang_peer import SGLangPeer
+
+                peer = SGLangPeer(
+                    args.model,
+                    max_running_requests=args.batch_size,
+                    max_total_tokens=args.num_kv_slots,
+                    page_size=args.page_size,
+                    schedule_policy=args.peer_schedule_policy,
+                    omp_threads_bind=args.peer_omp_threads_bind,
+                    dtype=args.dtype,
+                )
+            running.append(stack.enter_context(peer))
         model, processor = load_model(args.model, dtype=getattr(torch, args.dtype))
         model.to(device)
         workloads = default_workloads(
-            processor, args.images, args.questions, args.unique, args.seed
+            processor,
+            args.images,
+            args.questions,
+            args.unique,
+            args.seed,
+            names=names,
+            num_system_prompts=args.system_prompts,
         )
         results = run_engine_benchmark(
             model,
@@ -603,14 +752,14 @@ def run_cli(args: argparse.Namespace) -> int:
             args.batch_size,
             args.max_new_tokens,
             repeat=args.repeat,
-            peer=peer,
+            peers=running,
             num_kv_slots=args.num_kv_slots,
             page_size=args.page_size,
             prepack_weights=args.prepack_weights,
         )
-        from minirad.bench.peer import report_threads  # peer.py imports bench.engine's types
+        from minirad.bench.peer import report_threads
 
-        threads = report_threads(peer)
+        threads = report_threads(running)
     print(format_report(results, threads))
     # A saved report must say how it was run: the dtype, a device other than the CPU, and
     # minirad without its prepacked weights (the memory and speed rows change with each).

@@ -145,6 +145,8 @@ class OptimalResult:
         peak_used_tokens: most slots the feasible schedule held at once (tree + private).
         resupplied_tokens: tokens that a finishing request's output put back into the cache
             in the relaxation after they had been cached before; 0 makes the bound a proof.
+        request_hit_tokens: the feasible schedule's hits of each request, in the order of
+            ``trace.requests`` (they sum to ``hit_tokens``).
     """
 
     capacity: int
@@ -155,6 +157,7 @@ class OptimalResult:
     evicted_tokens: int
     peak_used_tokens: int
     resupplied_tokens: int
+    request_hit_tokens: tuple[int, ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -210,8 +213,11 @@ class _Plan:
             seg.seen = seg.inserted = False
 
 
-def _simulate(plan: _Plan, trace: ChatTrace, capacity: int, relaxed: bool) -> tuple[int, ...]:
-    """One pass of farthest-next-use eviction; returns (hits, evicted, peak, resupplied).
+def _simulate(
+    plan: _Plan, trace: ChatTrace, capacity: int, relaxed: bool
+) -> tuple[int, int, int, int, list[int]]:
+    """One pass of farthest-next-use eviction; returns (hits, evicted, peak, resupplied, hits
+    of each request by its index in ``trace.requests``).
 
     ``relaxed``: misses join the cache at the request's start and are shared (the bound);
     otherwise they are private until its finish (the feasible schedule).
@@ -220,6 +226,7 @@ def _simulate(plan: _Plan, trace: ChatTrace, capacity: int, relaxed: bool) -> tu
     heap: list[tuple[int, int, int, int, _Segment]] = []
     start_of = {k: s for s, k in enumerate(plan.order)}
     used = hits = evicted = peak = resupplied = 0
+    request_hits = [0] * len(trace.requests)
     private = [0] * len(plan.order)
     locked = [0] * len(plan.order)  # segments of the path the request locked
 
@@ -244,6 +251,7 @@ def _simulate(plan: _Plan, trace: ChatTrace, capacity: int, relaxed: bool) -> tu
                 if seg.cached < seg.length:
                     break
             hits += h
+            request_hits[ev.request] = h
             if relaxed:  # the whole query is held (and shared) from now on
                 nl = nq
                 for seg in path[:nq]:
@@ -288,7 +296,7 @@ def _simulate(plan: _Plan, trace: ChatTrace, capacity: int, relaxed: bool) -> tu
                 seg.locks -= 1
             for seg in path:
                 push(seg)
-    return hits, evicted, peak, resupplied
+    return hits, evicted, peak, resupplied, request_hits
 
 
 def belady(trace: ChatTrace, capacity: int, page_size: int = 1) -> OptimalResult:
@@ -321,8 +329,8 @@ def belady(trace: ChatTrace, capacity: int, page_size: int = 1) -> OptimalResult
             f"hold up to {need_peak} tokens at once"
         )
     plan = _Plan(trace, page_size)
-    hits, evicted, peak, _ = _simulate(plan, trace, capacity, relaxed=False)
-    bound, _, _, resupplied = _simulate(plan, trace, capacity, relaxed=True)
+    hits, evicted, peak, _, request_hits = _simulate(plan, trace, capacity, relaxed=False)
+    bound, _, _, resupplied, _ = _simulate(plan, trace, capacity, relaxed=True)
     return OptimalResult(
         capacity=capacity,
         page_size=page_size,
@@ -332,4 +340,5 @@ def belady(trace: ChatTrace, capacity: int, page_size: int = 1) -> OptimalResult
         evicted_tokens=evicted,
         peak_used_tokens=peak,
         resupplied_tokens=resupplied,
+        request_hit_tokens=tuple(request_hits),
     )

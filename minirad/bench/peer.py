@@ -24,6 +24,7 @@ import struct
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -35,14 +36,187 @@ from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
 from minirad.models import DEFAULT_MODEL_DIR
 from minirad.peers.vllm_env import vllm_python
 
-__all__ = ["WORKER", "VLLMPeer", "describe_threads", "kv_memory"]
+__all__ = ["WORKER", "VLLMPeer", "WorkerPeer", "describe_threads", "kv_memory", "report_threads"]
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 _FRAME = struct.Struct(">I")
 _LOG_TAIL = 4000  # characters of the worker's log quoted in errors
 
 
-class VLLMPeer:
+class WorkerPeer:
+    """A peer engine in a worker process of its own venv, driven over a pipe (the frames and
+    commands of ``vllm_worker.py``'s docstring): started once, reused, and a context manager
+    that stops it on exit. Subclasses build the command line and read the replies.
+
+    Attributes:
+        name: the peer's name in messages (``"vLLM"``).
+        idle_s: seconds to wait after the peer's runs before another system runs, while the
+            peer stops polling.
+        info: what the worker reported when it came up.
+        log_path: the worker's stdout and stderr (the peer's logs).
+    """
+
+    name = "peer"
+    idle_s = 0.0
+
+    def _start(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        start_timeout: float,
+        timeout: float,
+        preexec_fn=None,
+    ) -> None:
+        """Start ``cmd`` and wait for its ready message (sets :attr:`info`).
+
+        Raises:
+            PeerError: the worker could not start, died or did not answer in time.
+        """
+        self.timeout = timeout
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder()
+        fd, self.log_path = tempfile.mkstemp(prefix=f"minirad-{self.name.lower()}-", suffix=".log")
+        os.close(fd)
+        # O_APPEND: the worker's writes land at the end even while the tail is being read.
+        try:
+            with open(self.log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=env,
+                    bufsize=0,
+                    start_new_session=True,  # its own group: close() stops the peer's children
+                    preexec_fn=preexec_fn,
+                )
+        except OSError as e:
+            os.unlink(self.log_path)
+            raise PeerError(f"cannot start the {self.name} worker with {cmd[0]}: {e}") from e
+        try:
+            ready = self._receive(time.monotonic() + start_timeout, "start")
+            if not ready.get("ready"):
+                raise PeerError(
+                    f"the {self.name} worker sent {ready!r} instead of its ready message"
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.info: dict = ready["info"]
+
+    def thread_settings(self) -> dict:
+        """The worker's info, read now (threads and CPU affinity change once the peer's
+        processes bind theirs)."""
+        self.info = self._call({"op": "info"})["info"]
+        return self.info
+
+    def close(self) -> None:
+        """Ask the worker to quit, then stop its whole process group if it lingers.
+        Idempotent."""
+        proc = self._proc
+        if proc.poll() is None:
+            try:
+                self._send({"op": "quit"})
+                self._receive(time.monotonic() + 30, "quit")
+                proc.wait(timeout=30)
+            except (PeerError, OSError, subprocess.TimeoutExpired):
+                pass
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            if not _group_alive(proc.pid):
+                break
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                if proc.poll() is None:
+                    try:
+                        proc.wait(timeout=0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                else:
+                    time.sleep(0.2)
+        if proc.poll() is None:
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+        if os.path.exists(self.log_path):
+            os.unlink(self.log_path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def log_tail(self, chars: int = _LOG_TAIL) -> str:
+        """The end of the worker's log (the peer's stdout and stderr)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    # ------------------------------------------------------------------ the pipe
+    def _call(self, message: dict) -> dict:
+        self._send(message)
+        reply = self._receive(time.monotonic() + self.timeout, message["op"])
+        if not reply.get("ok"):
+            raise PeerError(f"{self.name} worker, {message['op']}: {reply.get('error', reply)!r}")
+        return reply
+
+    def _send(self, message: dict) -> None:
+        payload = self._encoder.encode(message)
+        try:
+            self._proc.stdin.write(_FRAME.pack(len(payload)) + payload)
+        except (BrokenPipeError, ValueError) as e:  # dead worker, or closed by close()
+            raise self._died() from e
+
+    def _receive(self, deadline: float, what: str) -> dict:
+        (size,) = _FRAME.unpack(self._read_exact(_FRAME.size, deadline, what))
+        try:
+            reply = self._decoder.decode(self._read_exact(size, deadline, what))
+        except msgspec.DecodeError as e:
+            raise PeerError(f"the {self.name} worker sent an unreadable frame: {e}") from e
+        if not isinstance(reply, dict):
+            raise PeerError(f"the {self.name} worker sent {type(reply).__name__}, not a map")
+        return reply
+
+    def _read_exact(self, n: int, deadline: float, what: str) -> bytes:
+        fd = self._proc.stdout.fileno()
+        buf = bytearray()
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(
+                    f"the {self.name} worker did not answer {what!r} in time; its log ends:\n"
+                    + self.log_tail()
+                )
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if not ready:
+                if self._proc.poll() is not None:
+                    raise self._died()
+                continue
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                raise self._died()
+            buf += chunk
+        return bytes(buf)
+
+    def _died(self) -> PeerError:
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        return PeerError(
+            f"the {self.name} worker exited (code {code}); its log ends:\n{self.log_tail()}"
+        )
+
+
+class VLLMPeer(WorkerPeer):
     """A real vLLM (offline ``LLM``, block size 32, float32, eager, prefix caching) in a
     worker process, started once and reused; a context manager that stops it on exit.
 
@@ -72,6 +246,12 @@ class VLLMPeer:
             worker died or did not answer in time (the message quotes its log's tail).
     """
 
+    name = "vLLM"
+    # vLLM's model worker busy-polls its shared-memory queue for 1 s after its last read
+    # before it sleeps (SpinCondition.busy_loop_s, vllm/distributed/device_communicators/
+    # shm_broadcast.py): the next system waits that out rather than share a core with it.
+    idle_s = 1.5
+
     def __init__(
         self,
         model: str | os.PathLike = DEFAULT_MODEL_DIR,
@@ -88,11 +268,6 @@ class VLLMPeer:
         if num_gpu_blocks_override is not None and num_gpu_blocks_override < 2:
             raise InvalidArgumentError("num_gpu_blocks_override must be >= 2 (one is vLLM's null)")
         python = Path(python) if python is not None else vllm_python()
-        self.timeout = timeout
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder()
-        fd, self.log_path = tempfile.mkstemp(prefix="minirad-vllm-", suffix=".log")
-        os.close(fd)
         cmd = [str(python), "-P", str(WORKER), "--model", str(model)]
         cmd += ["--max-num-seqs", str(max_num_seqs), "--block-size", str(VLLM_BLOCK_SIZE)]
         cmd += ["--dtype", dtype]
@@ -104,29 +279,12 @@ class VLLMPeer:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM refuses to start without
         if omp_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
-        # O_APPEND: the worker's writes land at the end even while the tail is being read.
-        try:
-            with open(self.log_path, "ab") as log:
-                self._proc = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                    env=env,
-                    bufsize=0,
-                    start_new_session=True,  # its own group: close() stops vLLM's children
-                )
-        except OSError as e:
-            os.unlink(self.log_path)
-            raise PeerError(f"cannot start the vLLM worker with {python}: {e}") from e
-        try:
-            ready = self._receive(time.monotonic() + start_timeout, "start")
-            if not ready.get("ready"):
-                raise PeerError(f"the vLLM worker sent {ready!r} instead of its ready message")
-        except BaseException:
-            self.close()
-            raise
-        self.info: dict = ready["info"]
+        self._start(cmd, env, start_timeout, timeout)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests vLLM runs at once."""
+        return self.info["max_num_seqs"]
 
     # ------------------------------------------------------------------ commands
     def generate(
@@ -203,114 +361,11 @@ class VLLMPeer:
         """
         return bool(self._call({"op": "reset_prefix_cache"})["reset"])
 
-    def thread_settings(self) -> dict:
-        """The worker's info, read now (threads and CPU affinity change once vLLM's workers
-        bind theirs); see :func:`describe_threads`."""
-        self.info = self._call({"op": "info"})["info"]
-        return self.info
-
-    def close(self) -> None:
-        """Ask the worker to quit, then stop its whole process group if it lingers.
-        Idempotent."""
-        proc = self._proc
-        if proc.poll() is None:
-            try:
-                self._send({"op": "quit"})
-                self._receive(time.monotonic() + 30, "quit")
-                proc.wait(timeout=30)
-            except (PeerError, OSError, subprocess.TimeoutExpired):
-                pass
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            if not _group_alive(proc.pid):
-                break
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while _group_alive(proc.pid) and time.monotonic() < deadline:
-                if proc.poll() is None:
-                    try:
-                        proc.wait(timeout=0.2)
-                    except subprocess.TimeoutExpired:
-                        pass
-                else:
-                    time.sleep(0.2)
-        if proc.poll() is None:
-            proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
-        if os.path.exists(self.log_path):
-            os.unlink(self.log_path)
-
-    def __enter__(self) -> VLLMPeer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def log_tail(self, chars: int = _LOG_TAIL) -> str:
-        """The end of the worker's log (vLLM's stdout and stderr)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.log_path) - chars))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
-    # ------------------------------------------------------------------ the pipe
-    def _call(self, message: dict) -> dict:
-        self._send(message)
-        reply = self._receive(time.monotonic() + self.timeout, message["op"])
-        if not reply.get("ok"):
-            raise PeerError(f"vLLM worker, {message['op']}: {reply.get('error', reply)!r}")
-        return reply
-
-    def _send(self, message: dict) -> None:
-        payload = self._encoder.encode(message)
-        try:
-            self._proc.stdin.write(_FRAME.pack(len(payload)) + payload)
-        except (BrokenPipeError, ValueError) as e:  # dead worker, or closed by close()
-            raise self._died() from e
-
-    def _receive(self, deadline: float, what: str) -> dict:
-        (size,) = _FRAME.unpack(self._read_exact(_FRAME.size, deadline, what))
-        try:
-            reply = self._decoder.decode(self._read_exact(size, deadline, what))
-        except msgspec.DecodeError as e:
-            raise PeerError(f"the vLLM worker sent an unreadable frame: {e}") from e
-        if not isinstance(reply, dict):
-            raise PeerError(f"the vLLM worker sent {type(reply).__name__}, not a map")
-        return reply
-
-    def _read_exact(self, n: int, deadline: float, what: str) -> bytes:
-        fd = self._proc.stdout.fileno()
-        buf = bytearray()
-        while len(buf) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PeerError(
-                    f"the vLLM worker did not answer {what!r} in time; its log ends:\n"
-                    + self.log_tail()
-                )
-            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
-            if not ready:
-                if self._proc.poll() is not None:
-                    raise self._died()
-                continue
-            chunk = os.read(fd, n - len(buf))
-            if not chunk:
-                raise self._died()
-            buf += chunk
-        return bytes(buf)
-
-    def _died(self) -> PeerError:
-        try:
-            code = self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            code = None
-        return PeerError(f"the vLLM worker exited (code {code}); its log ends:\n{self.log_tail()}")
+    def describe(self) -> tuple[str, str]:
+        """The peer's entry in a report's threads section, read now: its name and version,
+        and :func:`describe_threads`."""
+        info = self.thread_settings()
+        return f"vLLM {info['vllm_version']}", describe_threads(info)
 
 
 def _png(image) -> bytes:
@@ -379,11 +434,13 @@ def describe_threads(info: dict) -> str:
     return "\n".join(lines)
 
 
-def report_threads(peer: VLLMPeer | None) -> dict[str, str]:
-    """The threads section of a benchmark report: this process's torch settings, and the
-    vLLM peer's processes when there is one (:func:`describe_threads`)."""
+def report_threads(peers: WorkerPeer | Sequence[WorkerPeer] | None) -> dict[str, str]:
+    """The threads section of a benchmark report: this process's torch settings, then each
+    peer's processes (its ``describe()``: :func:`describe_threads` for vLLM)."""
     threads = {"HF and minirad (this process)": thread_settings()}
-    if peer is not None:
-        info = peer.thread_settings()
-        threads[f"vLLM {info['vllm_version']}"] = describe_threads(info)
+    if isinstance(peers, WorkerPeer):
+        peers = [peers]
+    for peer in peers or ():
+        name, text = peer.describe()
+        threads[name] = text
     return threads

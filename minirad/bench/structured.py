@@ -24,7 +24,6 @@ import torch
 import transformers
 
 from minirad.bench.common import Workload
-from minirad.bench.engine import PEER_IDLE_S
 from minirad.course.scenes import (
     DEFAULT_IMAGE_SIZE,
     JSON_PROMPT,
@@ -440,7 +439,7 @@ def run_structured_benchmark(
 
             def vllm(w: Workload, s: dict | None = s) -> StructuredRun:
                 run = run_vllm(peer, tokenizer, w, max_new_tokens, s)
-                time.sleep(PEER_IDLE_S)  # vLLM's worker busy-polls a while after each call
+                time.sleep(peer.idle_s)  # vLLM's worker busy-polls a while after each call
                 return run
 
             systems.append(("vLLM guidance" if s else "vLLM free", vllm))

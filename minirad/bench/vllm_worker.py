@@ -4,8 +4,9 @@ Run as ``.venv-vllm/bin/python -P minirad/bench/vllm_worker.py --model DIR [opti
 :class:`minirad.bench.peer.VLLMPeer`, never imported: vLLM cannot live in the course venv
 (``minirad/peers/vllm_env.py``), so this file imports only the standard library, PIL, msgspec and
 vLLM, none of minirad (``-P`` keeps this folder off ``sys.path``: its ``trace.py`` would
-shadow the standard library's), but for ``rss.py`` beside it (standard library only), loaded
-by its path, which measures memory as the engine benchmark does.
+shadow the standard library's), but for ``worker_common.py`` beside it (standard library only,
+shared with ``sglang_worker.py``), loaded by its path: the pipe's frames, the process tree, and
+``rss.py``, which measures memory as the engine benchmark does.
 
 It builds one offline ``vllm.LLM`` on the model (block size 32, float32 unless ``--dtype``,
 ``max_model_len`` 512, eager, prefix caching on), then answers commands until ``quit`` or the
@@ -13,8 +14,9 @@ end of its input.
 
 Protocol. vLLM logs to stdout and stderr, so the replies get a channel of their own: before
 vLLM is imported, the worker keeps its original stdout as the reply channel and points
-file descriptor 1 at stderr. Each message, both ways, is a frame: a 4-byte big-endian length,
-then that many bytes of msgpack. Commands arrive on stdin as maps with an ``op``:
+file descriptor 1 at stderr (``worker_common.reply_channel``). Each message, both ways, is a
+frame: a 4-byte big-endian length, then that many bytes of msgpack. Commands arrive on stdin
+as maps with an ``op``:
 
 - ``{"op": "generate", "requests": [{"prompt": str, "images": [PNG bytes, ...]}, ...],
   "max_tokens": int, "ignore_eos": bool, "structured": map | None}``: greedy, all requests in
@@ -49,126 +51,26 @@ import argparse
 import importlib.util
 import io
 import os
-import struct
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
-FRAME = struct.Struct(">I")
+
+def _load_common():
+    """``worker_common.py`` beside this file, loaded by its path (standard library only)."""
+    name = "minirad_bench_worker_common"
+    if name not in sys.modules:
+        path = Path(__file__).with_name("worker_common.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-def _load_rss():
-    """``minirad/bench/rss.py``, loaded by its path (this folder is not on ``sys.path``)."""
-    name = "minirad_bench_rss"
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("rss.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclass looks its module up while it is defined
-    spec.loader.exec_module(module)
-    return module
-
-
-rss = _load_rss()
-
-
-class _Channel:
-    """Length-prefixed msgpack frames: commands from ``rfile``, replies to the fd ``wfd``."""
-
-    def __init__(self, rfile, wfd: int) -> None:
-        import msgspec
-
-        self.rfile = rfile
-        self.wfd = wfd
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder()
-
-    def send(self, message: dict) -> None:
-        payload = self.encoder.encode(message)
-        data = memoryview(FRAME.pack(len(payload)) + payload)
-        while data:
-            data = data[os.write(self.wfd, data) :]
-
-    def receive(self) -> dict | None:
-        """The next command, or None at the end of the input."""
-        head = self.rfile.read(FRAME.size)
-        if len(head) < FRAME.size:
-            return None
-        (size,) = FRAME.unpack(head)
-        payload = self.rfile.read(size)
-        if len(payload) < size:
-            return None
-        return self.decoder.decode(payload)
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid``'s child processes, their children, and so on (from ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in sorted(children.get(todo.pop(), [])):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _engine_pids() -> list[int]:
-    """This process (vLLM's front end) and its descendants (the engine core, its workers)."""
-    return [os.getpid(), *_descendants(os.getpid())]
-
-
-_OMP_VARS = (
-    "OMP_NUM_THREADS",
-    "OMP_PLACES",
-    "OMP_PROC_BIND",
-    "GOMP_CPU_AFFINITY",
-    "KMP_AFFINITY",
-    "VLLM_CPU_OMP_THREADS_BIND",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU",
-)
-
-
-def _process(pid: int) -> dict:
-    """One process: name, thread count, how many threads may run on which CPUs, the
-    OpenMP / vLLM thread variables in its environment (what vLLM set for its workers) and its
-    resident memory now (bytes; None if unreadable)."""
-    with open(f"/proc/{pid}/comm") as f:
-        name = f.read().strip()
-    cpus: Counter[str] = Counter()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                for line in f:
-                    if line.startswith("Cpus_allowed_list:"):
-                        cpus[line.split(":", 1)[1].strip()] += 1
-        except OSError:
-            continue
-    env = {}
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            for item in f.read().split(b"\0"):
-                key, _, value = item.decode(errors="replace").partition("=")
-                if key in _OMP_VARS:
-                    env[key] = value
-    except OSError:
-        pass
-    return {
-        "pid": pid,
-        "name": name,
-        "threads": sum(cpus.values()),
-        "cpus": dict(cpus),
-        "env": env,
-        "rss": rss.rss([pid]),
-    }
+common = _load_common()
+rss = common.rss
+_engine_pids = common.engine_pids  # this process (vLLM's front end), the engine core, its workers
+_process = common.process
 
 
 def _kv_cache_tensors(worker) -> list[dict]:
@@ -224,12 +126,7 @@ def _info(llm, kv_cache_tensors: list[dict]) -> dict:
     from vllm import envs
 
     config = llm.llm_engine.vllm_config
-    processes = []
-    for pid in _engine_pids():
-        try:
-            processes.append(_process(pid))
-        except OSError:
-            continue
+    processes = common.processes()
     return {
         "vllm_version": vllm.__version__,
         "block_size": config.cache_config.block_size,
@@ -307,18 +204,8 @@ def _reset(llm) -> dict:
 
 def main() -> int:
     # The reply channel first, before anything can print: vLLM's logs go to stderr from now.
-    reply_fd = os.dup(1)
-    os.dup2(2, 1)
-    # vLLM forks its engine core: a forked child must not hold the reply pipe open, or the
-    # client would see no end of file when this process dies.
-    held = [reply_fd]
-
-    def drop_reply_fd() -> None:
-        if held[0] is not None:  # only once: a grandchild must not close a reused number
-            os.close(held[0])
-            held[0] = None
-
-    os.register_at_fork(after_in_child=drop_reply_fd)
+    # vLLM forks its engine core: forked children let go of the reply pipe.
+    channel = common.reply_channel()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model folder")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="requests in flight")
@@ -339,7 +226,6 @@ def main() -> int:
     # its engine core listens on this machine's IPC sockets only.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
-    channel = _Channel(sys.stdin.buffer, reply_fd)
     from vllm import LLM
 
     extra = {}
