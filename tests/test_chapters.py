@@ -331,7 +331,13 @@ def test_the_docs_state_what_the_installs_cost():
         r"make routers +# \.venv-router \(about \d+ MB\)", one_line(DOC / "replicas.md")
     )
     assert re.search(
-        r"`make vllm` \(about 3\.5 GB\) and `make routers` \(about 220 MB\)", one_line(README)
+        r"`sglang==0\.5\.23` on the CPU torch \(about 3\.4 GB; about [\d.]+ min",
+        one_line(DOC / "real-engines.md"),
+    )
+    assert re.search(
+        r"`make vllm` \(about 3\.5 GB\), `make sglang` \([^)]*3\.4 GB[^)]*\) and "
+        r"`make routers` \(about 220 MB\)",
+        one_line(README),
     )
 
 

@@ -8,7 +8,9 @@ chapter; q2 replays the recorded requests with prefix arithmetic (each placehold
 with its image's pixels, a request reuses its longest common prefix with what an earlier
 request computed, at most all but its last prompt token, whole blocks only), which
 reproduces the real vLLM's recorded hits at 32 tokens per block; q3 reads vLLM's own block
-hashes off the recorded ``BlockStored`` events.
+hashes off the recorded ``BlockStored`` events; q5 reads the paths of the real SGLang's radix
+tree off its recorded events: how much of each request's prompt + output the tree held once the
+request was done.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from exercise_contract import ExerciseContract, common_len
 from PIL import Image
 from transformers import AutoConfig
 
-from minirad.course import recordings
+from minirad.course import recordings, sglang_recording
 from minirad.exercises import ch08
-from minirad.kv_events import BlockStored
+from minirad.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
 from minirad.models import DEFAULT_MODEL_DIR
 
@@ -111,11 +113,45 @@ def oracle_q4() -> int:
     return (prompt_len + ch08.Q4_OUTPUT_LEN - 1) // ch08.Q4_BLOCK_SIZE
 
 
+@functools.cache
+def sglang_session() -> sglang_recording.SGLangSession:
+    return sglang_recording.load()
+
+
+def sglang_paths(up_to_seq: int) -> set[tuple[int, ...]]:
+    """The token paths from the root that SGLang's tree held after batch ``up_to_seq``, read
+    off its events (page size 1: one hash per token, chained by ``parent_block_hash``)."""
+    path: dict[int, tuple[int, ...]] = {}
+    for seq, batch in sglang_session().batches:
+        if seq > up_to_seq:
+            break
+        for e in batch.events:
+            if isinstance(e, AllBlocksCleared):
+                path.clear()
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    path.pop(h, None)
+            elif isinstance(e, BlockStored):
+                before = path[e.parent_block_hash] if e.parent_block_hash is not None else ()
+                for h, token in zip(e.block_hashes, e.token_ids, strict=True):
+                    before = path[h] = (*before, token)
+    return set(path.values())
+
+
+def oracle_q5() -> list[int]:
+    held = []
+    for out in sglang_session().outputs:
+        tokens, paths = (*out.prompt_token_ids, *out.output_ids), sglang_paths(out.last_seq)
+        held.append(max(n for n in range(len(tokens) + 1) if n == 0 or tokens[:n] in paths))
+    return held
+
+
 CASES = [
     (ch08.q1, oracle_q1, ch08.Q1_SOLUTION),
     (ch08.q2, oracle_q2, ch08.Q2_SOLUTION),
     (ch08.q3, oracle_q3, ch08.Q3_SOLUTION),
     (ch08.q4, oracle_q4, ch08.Q4_SOLUTION),
+    (ch08.q5, oracle_q5, ch08.Q5_SOLUTION),
 ]
 
 
@@ -125,12 +161,20 @@ def _q2_with(i: int, value: int) -> list[int]:
     return hits
 
 
+def _q5_with(i: int, value: int) -> list[int]:
+    held = oracle_q5()
+    held[i] = value
+    return held
+
+
 @functools.cache
 def diagnosed() -> list:
     """Typical mistakes, and a word of the reason the learner must see (computed at test
     time: they read the recording)."""
     n, bs = ch08.Q1_PROMPT_LEN, ch08.Q1_BLOCK_SIZE
     prompt_len = len(session().outputs[0].prompt_token_ids)
+    sglang = sglang_session().outputs
+    lengths = [(o, len(o.prompt_token_ids) + len(o.output_ids)) for o in sglang]
     return [
         (ch08.q1, n // bs * bs, "last prompt token"),
         (ch08.q1, n - 1, "radix tree"),
@@ -157,6 +201,15 @@ def diagnosed() -> list:
         (ch08.q4, prompt_len // ch08.Q4_BLOCK_SIZE, "cache_finished_req"),
         (ch08.q4, 2, "BlockStored events"),  # one after the prefill, one as the request ends
         (ch08.q4, prompt_len + ch08.Q4_OUTPUT_LEN - 1, "not tokens"),
+        (ch08.q5, [len(o.prompt_token_ids) for o in sglang], "answer enters the tree"),
+        (ch08.q5, [n - 1 for _, n in lengths], "overlap scheduler"),
+        (ch08.q5, [n for _, n in lengths], "never fed back"),
+        (ch08.q5, _q5_with(5, 31), "r6 is not 31"),
+        (
+            ch08.q5,
+            [h - o.cached_tokens for o, h in zip(sglang, oracle_q5(), strict=True)],
+            "whole path",
+        ),
     ]
 
 
@@ -182,3 +235,13 @@ def test_q3_oracle_sees_two_block0_hashes_for_the_same_tokens():
 def test_lists_are_accepted_for_tuples_and_sets():
     assert ch08.q2.is_correct(tuple(oracle_q2()))
     assert ch08.q3.is_correct(sorted(oracle_q3()))
+
+
+def test_q5_oracle_sees_the_stop_tokens_sglang_cached():
+    """SGLang's tree held every output token of the requests that stopped early (r2, r5, r6:
+    the overlap scheduler fed the stop token) and all but the last of those that ran to
+    max_new_tokens (r1, r3, r4)."""
+    sglang = sglang_session().outputs
+    assert [o.stopped for o in sglang] == [False, True, False, False, True, True]
+    for o, held in zip(sglang, oracle_q5(), strict=True):
+        assert held == len(o.prompt_token_ids) + len(o.output_ids) - (not o.stopped)

@@ -13,6 +13,8 @@ ideas, not plotting.
   several kinds of worker side by side (chapter 10).
 - :func:`replica_sweep_chart`: simulated hit rate and load imbalance of router policies over
   a swept quantity (replicas, traffic skew; chapter 10).
+- :func:`unified_locks_chart`: one path of SGLang's ``UnifiedRadixCache`` and what a request
+  at its end locks, per component: full attention, sliding window, Mamba state (chapter 08).
 
 Example::
 
@@ -42,6 +44,8 @@ __all__ = [
     "paged_batch_chart",
     "replica_sweep_chart",
     "routing_runs_chart",
+    "unified_locks",
+    "unified_locks_chart",
 ]
 
 _COLOURS = ("#9ecae1", "#3182bd", "#31a354", "#e6550d")
@@ -577,5 +581,95 @@ def replica_sweep_chart(
     left.legend(fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# SGLang's UnifiedRadixCache components (sglang/srt/mem_cache/unified_cache/components/).
+UNIFIED_COMPONENTS = ("full", "swa", "mamba")
+_COMPONENT_STYLES = {
+    "full": ("#3182bd", "full attention: every node to the root"),
+    "swa": ("#31a354", "sliding window of {window}: up to the window"),
+    "mamba": ("#e6550d", "Mamba state: the last node only"),
+}
+
+
+def unified_locks(lengths: Sequence[int], window: int) -> dict[str, list[bool]]:
+    """Which nodes of a root-to-leaf path (``lengths``: each node's tokens, root first) a
+    request that matched the whole path locks, per component of SGLang's
+    ``UnifiedRadixCache``: full attention every node (a path lock, as chapter 01's tree);
+    sliding window the nodes from the last one up until they hold ``window`` tokens (the
+    window lock); Mamba the last node only (its state is one per node, not per token).
+
+    Raises:
+        ValueError: no node, a node of no tokens, or ``window < 1``.
+    """
+    if not lengths or any(n < 1 for n in lengths) or window < 1:
+        raise ValueError(f"need nodes of >= 1 token and window >= 1, got {lengths}, {window}")
+    swa, covered = [False] * len(lengths), 0
+    for i in reversed(range(len(lengths))):
+        if covered >= window:
+            break
+        swa[i], covered = True, covered + lengths[i]
+    last = [i == len(lengths) - 1 for i in range(len(lengths))]
+    return {"full": [True] * len(lengths), "swa": swa, "mamba": last}
+
+
+def unified_locks_chart(
+    nodes: Sequence[tuple[str, int]],
+    window: int,
+    title: str = "what a request at the end of this path locks, per component",
+) -> Figure:
+    """One path of SGLang's radix tree, drawn once per component of its
+    ``UnifiedRadixCache``: a node is filled where the component locks it for a request that
+    matched the whole path (:func:`unified_locks`), hatched where it does not, so that the
+    component may evict its data there while the request runs (an inner node that loses its
+    sliding-window KV or Mamba state stays in the tree, a tombstone, for full attention).
+    Nodes are as wide as their tokens.
+
+    Args:
+        nodes: ``(label, tokens)`` per node, root first.
+        window: the sliding window, in tokens.
+
+    Raises:
+        ValueError: as :func:`unified_locks`.
+    """
+    lengths = [n for _, n in nodes]
+    locks = unified_locks(lengths, window)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    total = sum(lengths)
+    fig, ax = plt.subplots(figsize=(7.6, 2.5))
+    for row, name in enumerate(UNIFIED_COMPONENTS):
+        colour, label = _COMPONENT_STYLES[name]
+        y = -row
+        for start, n, locked in zip(starts, lengths, locks[name], strict=True):
+            ax.add_patch(
+                Rectangle(
+                    (start + 0.3, y - 0.38),
+                    n - 0.6,
+                    0.76,
+                    facecolor=colour if locked else "white",
+                    edgecolor=colour,
+                    hatch=None if locked else "////",
+                    linewidth=1.0,
+                    alpha=0.85 if locked else 0.6,
+                )
+            )
+            ax.text(
+                start + n / 2,
+                y,
+                "locked" if locked else "not locked",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if locked else "0.3",
+            )
+        ax.text(-1, y, label.format(window=window), ha="right", va="center", fontsize=8)
+    for (text, n), start in zip(nodes, starts, strict=True):
+        ax.text(start + n / 2, 0.62, f"{text} ({n})", ha="center", va="bottom", fontsize=7)
+    ax.set_xlim(-total * 0.75, total + 0.5)
+    ax.set_ylim(-len(UNIFIED_COMPONENTS) + 0.45, 1.1)
+    ax.axis("off")
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig

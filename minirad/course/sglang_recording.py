@@ -31,6 +31,7 @@ Example::
     save(session)                        # data/recordings/sglang_ch08_*
     session = load()                     # what a chapter reads
     viz.replay_recording(session.batches, schema="sglang")
+    replay_cached_tokens([o.served() for o in session.outputs], 96)  # SGLang's cached tokens
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from minirad.kv_events import (
     save_recording,
 )
 from minirad.kv_events.wire import decode_message
+from minirad.kvcache.cached_tokens import ServedRequest
 
 __all__ = [
     "NAME",
@@ -134,6 +136,18 @@ class RecordedGeneration:
     cached_tokens: int
     finish_reason: dict | None
     last_seq: int | None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether it ended on a stop token (which ``output_ids`` then ends with)."""
+        return (self.finish_reason or {}).get("type") == "stop"
+
+    def served(self) -> ServedRequest:
+        """The request as :func:`minirad.kvcache.cached_tokens.replay_cached_tokens` replays
+        it."""
+        return ServedRequest(
+            self.prompt_token_ids, self.output_ids, self.request.max_new_tokens, self.stopped
+        )
 
 
 @dataclass

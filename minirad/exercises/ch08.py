@@ -1,4 +1,5 @@
-"""Exercises of chapter 08 (the real engines: vLLM's hits, block hashes and KV events).
+"""Exercises of chapter 08 (the real engines: vLLM's hits, block hashes and KV events; what
+SGLang's radix tree takes in).
 
 The answers are computed here with the real ``minirad`` code on the chapter's recorded vLLM
 session (:func:`minirad.course.recordings.load`, committed in ``data/recordings/``): vLLM's design
@@ -6,9 +7,11 @@ replayed by :class:`~minirad.kvcache.kv_cache_manager.KVCacheManager` and
 :func:`~minirad.kvcache.kv_cache_manager.serve_one_at_a_time` for q1 to q3, with each image keyed
 by its file name as the chapter keys it, and the :class:`~minirad.engine.LLMEngine` on the shipped
 model with a :class:`~minirad.kv_events.block_events.RadixBlockEvents` publisher for q4 (the model
-is loaded on the first check that needs it). Every ``Qn_SOLUTION`` is runnable code that sets
+is loaded on the first check that needs it). q5 reads the recorded SGLang session
+(:func:`minirad.course.sglang_recording.load`) with SGLang's insert rule,
+:func:`~minirad.kvcache.cached_tokens.kv_len`. Every ``Qn_SOLUTION`` is runnable code that sets
 ``answer``; the tests run it and check it with ``qn``, and compute the answers another way
-(vLLM's recorded hashes, plain prefix arithmetic).
+(vLLM's recorded hashes, plain prefix arithmetic, the paths in SGLang's recorded events).
 
 Usage in the notebook::
 
@@ -25,11 +28,12 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoConfig
 
-from minirad.course import recordings
+from minirad.course import recordings, sglang_recording
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.exercises import Exercise, is_int, is_int_list, wrong_type
 from minirad.kv_events import BlockStored
 from minirad.kv_events.block_events import VLLM_BLOCK_SIZE, RadixBlockEvents
+from minirad.kvcache.cached_tokens import kv_len
 from minirad.kvcache.kv_cache_manager import KVCacheManager, serve_one_at_a_time
 from minirad.kvcache.multimodal import MultiModalItem
 from minirad.models import DEFAULT_MODEL_DIR, load_model
@@ -45,6 +49,7 @@ __all__ = [
     "q2",
     "q3",
     "q4",
+    "q5",
 ]
 
 # q1: a prompt of Q1_PROMPT_LEN tokens, all of them (and more) cached by an earlier request.
@@ -166,7 +171,7 @@ def _check_q2(answer: object) -> str | None:
 
 
 Q2_SOLUTION = """\
-from minirad.course import recordings
+from minirad.course import recordings, sglang_recording
 from minirad.kvcache.kv_cache_manager import KVCacheManager, serve_one_at_a_time
 
 session = recordings.load()
@@ -232,7 +237,7 @@ def _check_q3(answer: object) -> str | None:
 
 
 Q3_SOLUTION = """\
-from minirad.course import recordings
+from minirad.course import recordings, sglang_recording
 from minirad.kvcache.kv_cache_manager import KVCacheManager
 
 session = recordings.load()
@@ -302,7 +307,7 @@ def _check_q4(answer: object) -> str | None:
 
 
 Q4_SOLUTION = """\
-from minirad.course import recordings
+from minirad.course import recordings, sglang_recording
 from minirad.kv_events.block_events import RadixBlockEvents
 from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.kv_events import BlockStored
@@ -326,4 +331,78 @@ q4 = Exercise(
     "RadixBlockEvents publishes every whole 32-token block of the paths the radix tree "
     "caches; the tree caches the prompt and the output tokens that have K/V.",
     Q4_SOLUTION,
+)
+
+
+# ----------------------------------------------------------------------------------------- q5
+@functools.cache
+def _sglang_session() -> sglang_recording.SGLangSession:
+    return sglang_recording.load()
+
+
+def _q5_lengths(overlap: bool = True, last: bool = False) -> list[int]:
+    """Per recorded SGLang request, the tokens of prompt + output its tree path holds when it
+    finishes (``last``: every output token, the last included)."""
+    out = []
+    for o in _sglang_session().outputs:
+        r = o.served()
+        n = len(r.prompt) + len(r.output)
+        out.append(
+            n
+            if last
+            else kv_len(len(r.prompt), len(r.output), r.max_new_tokens, r.stopped, overlap)
+        )
+    return out
+
+
+def _check_q5(answer: object) -> str | None:
+    expected = _q5_lengths()
+    outputs = _sglang_session().outputs
+    if not is_int_list(answer) or len(answer) != len(expected):
+        return wrong_type(f"{len(expected)} ints, one per request, e.g. (0, 0, 0, 0, 0, 0)", answer)
+    got = list(answer)
+    if got == expected:
+        return None
+    if got == _q5_lengths(overlap=False):
+        return (
+            "that is output[:-1] for every request; under the overlap scheduler a request that "
+            "stopped early was already in the next step, which fed its stop token"
+        )
+    if got == _q5_lengths(last=True):
+        return (
+            "the last token of a request that ran to max_new_tokens is sampled, never fed "
+            "back: it has no KV, and the scheduler knew not to schedule another step"
+        )
+    if got == [len(o.prompt_token_ids) for o in outputs]:
+        return "the answer enters the tree too, when the request finishes"
+    if got == [e - o.cached_tokens for o, e in zip(outputs, expected, strict=True)]:
+        return "count the whole path from the root, the prompt tokens it found cached included"
+    i = next(i for i, (a, e) in enumerate(zip(got, expected, strict=True)) if a != e)
+    o = outputs[i]
+    how = "stopped on its stop token" if o.stopped else "ran to max_new_tokens"
+    return (
+        f"r{i + 1} is not {got[i]}: {len(o.prompt_token_ids)} prompt tokens, "
+        f"{len(o.output_ids)} output tokens, and it {how}"
+    )
+
+
+Q5_SOLUTION = """\
+from minirad.course import sglang_recording
+from minirad.kvcache.cached_tokens import kv_len
+
+answer = []
+for out in sglang_recording.load().outputs:
+    r = out.served()  # prompt, output, max_new_tokens, stopped
+    answer.append(kv_len(len(r.prompt), len(r.output), r.max_new_tokens, r.stopped))
+# [40, 38, 40, 34, 17, 32]: r1, r3 and r4 ran to 8 tokens, and their last one has no KV
+# (prompt + 7); r2, r5 and r6 stopped on <|im_end|> after 3, and the overlap scheduler had
+# already fed it (prompt + 3)."""
+
+q5 = Exercise(
+    "q5 what SGLang's tree takes in",
+    _check_q5,
+    "A token enters the tree only if the model computed its KV, that is, if it was fed to "
+    "the model: each request's finish_reason says how it ended, and section 7 says which "
+    "endings feed their last token.",
+    Q5_SOLUTION,
 )
