@@ -17,6 +17,7 @@ The server stops with the module: an idle SGLang busy-loops a core.
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -318,6 +319,9 @@ def live(sglang_python):
         finally:
             view.stop()
             sub.close()
+        pid = server._proc.pid
+    with pytest.raises(ProcessLookupError):  # stopped: the server and its children are gone
+        os.killpg(pid, 0)
 
 
 def test_the_session_recorded_again_is_the_committed_one(live):
@@ -364,3 +368,16 @@ def test_sglang_live_beside_ours(live):
     after = pair.theirs.frames[pair.theirs.marks[-1]]
     assert 30 in {n.num_tokens for n in after.live}
     assert len(pair.requests) == 2
+
+
+def test_flush_cache_empties_the_tree_and_the_answers_stay(live):
+    """Last in the file: it flushes the server's cache."""
+    server = live[0]
+    prompt = list(range(10, 40))
+    first = server.generate(prompt, max_new_tokens=4)
+    again = server.generate(prompt + [7, 8], max_new_tokens=4)
+    assert server.flush_cache()
+    flushed = server.generate(prompt, max_new_tokens=4)
+    assert first["prompt_tokens"] == 30 and len(first["output_ids"]) == 4
+    assert again["cached_tokens"] >= len(prompt)  # the whole first prompt was cached
+    assert flushed["cached_tokens"] == 0 and flushed["output_ids"] == first["output_ids"]
