@@ -3,6 +3,9 @@ again.
 
 - :class:`RadixCache` (``radix_cache.py``): SGLang's radix prefix cache, token by token, with
   lock references, node splits and leaf eviction; :mod:`~minirad.kvcache.eviction` picks the leaf.
+- :class:`~minirad.kvcache.hiradix_cache.HiRadixCache` (``hiradix_cache.py``): the radix cache
+  over two tiers, device and host (SGLang's HiCache), with its host pool and copy seam in
+  ``host_pool.py``.
 - :class:`TokenToKVPoolAllocator` and :class:`KVCache` (``kv_pool.py``): the token slots and the
   one K/V tensor they index.
 - :class:`BlockPool` and :class:`KVCacheManager` (``block_pool.py``, ``kv_cache_manager.py``):

@@ -286,6 +286,9 @@ class RadixCache(RadixEventsMixin):
     the private ones trust them.
     """
 
+    # The class of the tree's nodes: a tiered cache (``hiradix_cache.py``) adds host fields.
+    node_class: type[TreeNode] = TreeNode
+
     def __init__(
         self,
         page_size: int = 1,
@@ -345,7 +348,7 @@ class RadixCache(RadixEventsMixin):
         self._record(ResetEvent, self.bus.tick())
 
     def _new_node(self, key, value, parent, time, extra_key=None) -> TreeNode:
-        node = TreeNode(self._next_id, key, value, parent, time, extra_key)
+        node = self.node_class(self._next_id, key, value, parent, time, extra_key)
         self._next_id += 1
         return node
 
@@ -458,7 +461,8 @@ class RadixCache(RadixEventsMixin):
         ``new``. No KV moves: the slots are divided between the two edges. ``new`` keeps the
         id, times, hits, priority, branch history and ``lock_ref`` (so the size sums hold);
         ``child`` gets a new id and keeps its depth."""
-        new = TreeNode(child.id, child.key[:m], child.value[:m], child.parent, t, child.extra_key)
+        make = type(child)  # a tiered cache's nodes split into their own class
+        new = make(child.id, child.key[:m], child.value[:m], child.parent, t, child.extra_key)
         new.lock_ref, new.hit_count = child.lock_ref, child.hit_count
         new.insert_count, new.priority = child.insert_count, child.priority
         new.history_len = child.history_len
@@ -969,13 +973,22 @@ class RadixCache(RadixEventsMixin):
                 self._check_node(node, ck, child)
                 seen += child.value
                 if child.lock_ref:
-                    protected += len(child.key)
+                    protected += len(child.value)
                 else:
-                    evictable += len(child.key)
-                    if not child.children:
+                    evictable += len(child.value)
+                    if child.value and self._device_leaf(child):
                         leaves.add(child)
                 stack.append(child)
         self._check_totals(seen, evictable, protected, leaves)
+
+    def _device_leaf(self, node: TreeNode) -> bool:
+        """True if no child of ``node`` holds KV slots: an eviction candidate once unlocked.
+        Here, a node without children; a tiered cache's host-only children hold none."""
+        return not node.children
+
+    def _host_only(self, node: TreeNode) -> bool:
+        """True if ``node`` holds its KV in host memory only (never here: see HiRadixCache)."""
+        return False
 
     def _check_node(self, parent: TreeNode, ck, child: TreeNode) -> None:
         """One node's own invariants (see :meth:`check_invariants`)."""
@@ -987,7 +1000,7 @@ class RadixCache(RadixEventsMixin):
             fail("parent link broken")
         if ck != self._child_key(child.key, 0, child.extra_key):
             fail(f"stored under child key {ck!r}")
-        if not child.key or len(child.key) != len(child.value):
+        if not child.key or len(child.key) != len(child.value) and not self._host_only(child):
             fail(f"key/value lengths {len(child.key)}/{len(child.value)}")
         if len(child.key) % self.page_size:
             fail(f"key length {len(child.key)} is not whole pages")

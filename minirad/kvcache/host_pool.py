@@ -1,0 +1,77 @@
+"""The host tier of a hierarchical KV cache: slots in host (CPU) memory, and the copies between
+them and the device pool.
+
+SGLang's HiCache keeps a second pool in pinned host memory (``memory_pool_host.py``,
+``--hicache-ratio`` times the device pool, 2 by default) and moves KV between the two with its
+``HiCacheController`` (``managers/cache_controller.py``: ``write`` backs device slots up to host
+slots, ``load`` brings them back). Here the host pool is a
+:class:`~minirad.kvcache.kv_pool.TokenToKVPoolAllocator` of its own: the same pages, the same
+ownership checks, only a different memory. The copies go through a :class:`KVTransfer`, the seam
+where the engine will plug real tensor copies; :class:`NoTransfer` moves nothing (the tree alone)
+and :class:`RecordingTransfer` remembers what would have moved (tests, the visualizer).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from minirad.errors import InvalidArgumentError
+from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
+
+__all__ = ["KVTransfer", "NoTransfer", "RecordingTransfer", "make_host_pool"]
+
+DEFAULT_HICACHE_RATIO = 2.0  # SGLang's --hicache-ratio
+
+
+def make_host_pool(
+    device_pool: TokenToKVPoolAllocator, hicache_ratio: float = DEFAULT_HICACHE_RATIO
+) -> TokenToKVPoolAllocator:
+    """A host pool ``hicache_ratio`` times the size of ``device_pool`` (whole pages, at least
+    one), with its page size. It has a private event bus: its events are not the device pool's.
+
+    Raises:
+        InvalidArgumentError: ``hicache_ratio`` is not a positive number.
+    """
+    if isinstance(hicache_ratio, bool) or not isinstance(hicache_ratio, int | float):
+        raise InvalidArgumentError(f"hicache_ratio must be a number, got {hicache_ratio!r}")
+    if not math.isfinite(hicache_ratio) or hicache_ratio <= 0:
+        raise InvalidArgumentError(f"hicache_ratio must be > 0, got {hicache_ratio!r}")
+    ps = device_pool.page_size
+    pages = max(1, int(device_pool.num_pages * hicache_ratio))
+    return TokenToKVPoolAllocator(pages * ps, ps)
+
+
+class KVTransfer(Protocol):
+    """Moves KV between the pools, one slot for one slot, in order."""
+
+    def write_backup(self, device_slots: list[int], host_slots: list[int]) -> None:
+        """Copy the KV of ``device_slots`` into ``host_slots`` (a backup)."""
+        ...
+
+    def load_back(self, host_slots: list[int], device_slots: list[int]) -> None:
+        """Copy the KV of ``host_slots`` into ``device_slots`` (a load-back)."""
+        ...
+
+
+class NoTransfer:
+    """Moves nothing: a cache without tensors (the course's trees, the benchmarks)."""
+
+    def write_backup(self, device_slots: list[int], host_slots: list[int]) -> None:
+        pass
+
+    def load_back(self, host_slots: list[int], device_slots: list[int]) -> None:
+        pass
+
+
+class RecordingTransfer:
+    """Remembers every copy as ``("write_backup" | "load_back", source, destination)``."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+
+    def write_backup(self, device_slots: list[int], host_slots: list[int]) -> None:
+        self.log.append(("write_backup", tuple(device_slots), tuple(host_slots)))
+
+    def load_back(self, host_slots: list[int], device_slots: list[int]) -> None:
+        self.log.append(("load_back", tuple(host_slots), tuple(device_slots)))
