@@ -23,6 +23,9 @@
 
 - ``decode``: one decode step of the model, ms per step with HF's weights, with prepacked
   weights and with cascade attention over a shared prefix (:mod:`minirad.bench.decode`).
+- ``transfer-cost``: when loading KV back from a slower tier beats recomputing it: the measured
+  host copy and prefill rate, typical links (PCIe, NVMe, RDMA) and the break-even length
+  (:mod:`minirad.bench.transfer_cost`, model in :mod:`minirad.kvcache.transfer_cost`).
 - ``sglang-cache``: the real SGLang's cached tokens beside our radix tree's, request by
   request, on a text chat workload with evictions; ``--policies``: its eviction policies
   beside ours and Belady's MIN (:mod:`minirad.bench.sglang_cache`).
@@ -59,6 +62,8 @@ _COMMANDS = {  # subcommand (= module name, "-" for "_") -> help
     "cascade attention",
     "sglang-cache": "the real SGLang's cached tokens beside our radix tree's, request by request "
     "(and its eviction policies: --policies)",
+    "transfer-cost": "loading KV back from a slower tier (host copy measured here, PCIe, NVMe...) "
+    "vs recomputing it: times and the break-even length",
 }
 
 
