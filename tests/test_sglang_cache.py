@@ -220,3 +220,37 @@ def test_the_overlap_scheduler_caches_a_stop_token(page1, page1_no_overlap):
 
 def test_greedy_tokens_equal_our_engine(page1):
     assert engine_answers(page1.answers) == [a.output for a in page1.answers]
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        ([1, 2, 3], [4], 8),  # three fields
+        {"prompt": [1, 2], "output": [3], "max_new_tokens": 4, "stopped": True},
+        None,
+        ([], [4], 8, False),  # an empty prompt (SGLang answers 400)
+        ([1, 2], [], 8, False),  # no output: not a finished request
+        ([1, 2], [3, 4, 5], 2, False),  # more output than max_new_tokens
+        ([1, -2], [3], 8, False),
+        ([1, 2], [3], 8, "yes"),
+    ],
+)
+def test_replay_refuses_what_no_finished_request_is(request_):
+    with pytest.raises(InvalidArgumentError):
+        replay_cached_tokens([request_], max_total_tokens=64)
+
+
+@pytest.mark.parametrize("args", [(-5, -3, 8, False), (0, 1, 8, False), (10.5, 2, 8, False)])
+def test_kv_len_refuses_impossible_lengths(args):
+    with pytest.raises(InvalidArgumentError):
+        kv_len(*args)
+
+
+def test_a_pool_too_small_for_the_workload_is_refused_before_a_server_starts():
+    from minirad.bench.sglang_cache import MIN_POOL, run_cli
+
+    args = build_parser("sglang-cache").parse_args(
+        ["sglang-cache", "--max-total-tokens", str(MIN_POOL - 1)]
+    )
+    with pytest.raises(InvalidArgumentError, match="too small"):
+        run_cli(args)

@@ -51,3 +51,31 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
         SGLangServer(model, eviction_policy="random", python="python3")
     with pytest.raises(InvalidArgumentError, match="page_size"):
         SGLangServer(model, page_size=0, python="python3")
+
+
+def test_constructor_refuses_bad_types(tmp_path):
+    model = text_model_dir()
+    for kwargs, match in (
+        ({"port": "abc"}, "port"),
+        ({"port": 70000}, "port"),
+        ({"eviction_policy_config": {1, 2}}, "eviction_policy_config"),
+        ({"eviction_policy_config": "threshold=64"}, "eviction_policy_config"),
+        ({"extra_args": "--foo"}, "extra_args"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            SGLangServer(model, python="python3", **kwargs)
+    with pytest.raises(InvalidArgumentError, match="model_dir"):
+        SGLangServer(None, python="python3")
+
+
+def test_generate_refuses_ids_outside_the_vocabulary_before_sending():
+    """SGLang 0.5.23 dies on an id outside its embedding table: the ids are checked here, so
+    these raise without a server (none is started)."""
+    server = SGLangServer(text_model_dir(), python="python3")
+    vocab = server.vocab_size
+    assert vocab == json.loads((text_model_dir() / "config.json").read_text())["vocab_size"]
+    for ids in ([1, -5, 3], [1, vocab, 3], [1.7, 2.2], ["1", "2"], [], None, "abc", [True]):
+        with pytest.raises(InvalidArgumentError, match="input_ids"):
+            server.generate(ids)
+    with pytest.raises(InvalidArgumentError, match="max_new_tokens"):
+        server.generate([1, 2], max_new_tokens=0)

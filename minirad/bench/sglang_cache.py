@@ -261,8 +261,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The workload's turns reach 155 prompt tokens plus up to 24 new ones: a smaller pool fails
+# mid-run (SGLang answers 400), and below a few tokens SGLang dies starting.
+MIN_POOL = 192
+
+
 def run_cli(args: argparse.Namespace) -> int:
-    if args.max_total_tokens % args.page_size:  # checked before a server starts (30 s)
+    if args.max_total_tokens < MIN_POOL:  # checked before a server starts (30 s)
+        raise InvalidArgumentError(
+            f"--max-total-tokens {args.max_total_tokens} is too small for this workload: its "
+            f"prompts and answers need up to {MIN_POOL} tokens of KV"
+        )
+    if args.max_total_tokens % args.page_size:
         raise InvalidArgumentError(
             f"--max-total-tokens {args.max_total_tokens} is not a multiple of --page-size "
             f"{args.page_size}"

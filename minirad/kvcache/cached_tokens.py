@@ -34,9 +34,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from minirad.errors import InvalidArgumentError
 from minirad.kvcache.eviction import EvictionPolicy
 from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache, Req
+from minirad.kvcache.tokens import as_token_ids
 
 __all__ = ["ServedRequest", "kv_len", "replay_cached_tokens"]
 
@@ -56,9 +58,45 @@ def kv_len(
 ) -> int:
     """Tokens of ``prompt + output`` whose KV a finished request computed, which SGLang caches:
     all but the last output token; all of them, under the overlap scheduler, after a stop token
-    sampled before ``max_new_tokens`` (module docstring)."""
+    sampled before ``max_new_tokens`` (module docstring).
+
+    Raises:
+        InvalidArgumentError: lengths that no finished request has (a prompt and an output of
+            at least one token each, the output at most ``max_new_tokens``).
+    """
+    _check_lengths(prompt_len, output_len, max_new_tokens)
     fed_last = overlap and stopped and output_len < max_new_tokens
     return prompt_len + output_len - (0 if fed_last else 1)
+
+
+def _check_lengths(prompt_len: object, output_len: object, max_new_tokens: object) -> None:
+    if not all(type(n) is int for n in (prompt_len, output_len, max_new_tokens)):
+        raise InvalidArgumentError(
+            "prompt_len, output_len and max_new_tokens must be ints, got "
+            f"{prompt_len!r}, {output_len!r}, {max_new_tokens!r}"
+        )
+    if prompt_len < 1 or not 1 <= output_len <= max_new_tokens:
+        raise InvalidArgumentError(
+            f"a finished request has a prompt and 1 .. max_new_tokens ({max_new_tokens}) output "
+            f"tokens, got prompt_len={prompt_len}, output_len={output_len}"
+        )
+
+
+def _checked(request: object, i: int) -> ServedRequest:
+    """Request ``i`` as a ServedRequest of token ids, or a typed error naming it."""
+    try:
+        prompt, output, max_new_tokens, stopped = request
+        served = ServedRequest(
+            as_token_ids(prompt, "prompt"), as_token_ids(output, "output"), max_new_tokens, stopped
+        )
+    except (TypeError, ValueError, InvalidArgumentError) as e:
+        raise InvalidArgumentError(
+            f"request {i} must be (prompt ids, output ids, max_new_tokens, stopped): {e}"
+        ) from e
+    if not isinstance(stopped, bool):
+        raise InvalidArgumentError(f"request {i}: stopped must be a bool, got {stopped!r}")
+    _check_lengths(len(served.prompt), len(served.output), max_new_tokens)
+    return served
 
 
 def _peak_free(prefill: int, total: int, page_size: int) -> int:
@@ -85,12 +123,15 @@ def replay_cached_tokens(
     Returns each request's ``cached_tokens``.
 
     Raises:
+        InvalidArgumentError: a request that is not (prompt ids, output ids, max_new_tokens,
+            stopped) of a finished request.
         OutOfMemoryError: a request needs more than the pool holds with everything evicted.
     """
     alloc = TokenToKVPoolAllocator(max_total_tokens, page_size)
     cache = RadixCache(page_size, eviction_policy, alloc)
     cached = []
-    for i, (prompt, output, max_new_tokens, stopped) in enumerate(requests):
+    for i, request in enumerate(requests):
+        prompt, output, max_new_tokens, stopped = _checked(request, i)
         req = Req(f"r{i}", list(prompt))
         cache.match_prefix_for_req(req)  # 1
         cached.append(len(req.prefix_indices))

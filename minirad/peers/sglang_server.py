@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,20 @@ __all__ = ["EVICTION_POLICIES", "SGLangServer"]
 
 # SGLang's --radix-eviction-policy choices (sglang/srt/mem_cache/evict_policy.py).
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "tlru")
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    """The model's vocabulary size from its config (a text model's, or a VLM's text_config)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(f"cannot read {model_dir / 'config.json'}: {e}") from e
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if type(size) is int and size > 0 else None
+
+
+def _token_id(t: object) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 class SGLangServer(ServerProcess):
@@ -53,9 +68,8 @@ class SGLangServer(ServerProcess):
         dtype: ``--dtype`` (float32: our engine's, the same greedy tokens).
         extra_args: more command-line arguments for the server.
         python: the SGLang venv's Python (default :func:`~minirad.peers.sglang_env.sglang_python`).
-        cpus: pin the server to these cores (default: the last usable core, so that an idle
-            server's busy loop takes one core, not all); None pins nothing only if passed as
-            ``cpus=()``.
+        cpus: pin the server to these cores (default None: the last usable core, so that the
+            server takes one core, not all); ``cpus=()`` pins nothing.
 
     Attributes:
         base_url, kv_events_endpoint, replay_endpoint, model_name, log_path, startup_s: as
@@ -83,6 +97,8 @@ class SGLangServer(ServerProcess):
         python: str | os.PathLike | None = None,
         cpus: Sequence[int] | None = None,
     ) -> None:
+        if not isinstance(model_dir, str | os.PathLike):
+            raise InvalidArgumentError(f"model_dir must be a path, got {model_dir!r}")
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise InvalidArgumentError(f"no model folder (config.json) at {self.model_dir}")
@@ -93,6 +109,22 @@ class SGLangServer(ServerProcess):
             raise InvalidArgumentError(
                 f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}"
             )
+        if port is not None and (type(port) is not int or not 0 < port < 65536):
+            raise InvalidArgumentError(f"port must be an int in 1 .. 65535, got {port!r}")
+        if eviction_policy_config is not None:
+            try:
+                json.dumps(eviction_policy_config)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgumentError(f"eviction_policy_config must be JSON: {e}") from e
+            if not isinstance(eviction_policy_config, dict):
+                raise InvalidArgumentError(
+                    f"eviction_policy_config must be a dict, got {eviction_policy_config!r}"
+                )
+        if isinstance(extra_args, str | bytes):
+            raise InvalidArgumentError(
+                f"extra_args must be a list of arguments, got {extra_args!r}"
+            )
+        self.vocab_size = _vocab_size(self.model_dir)
         self.python = Path(python) if python is not None else sglang_python()
         self.model_name = self.model_dir.name
         if cpus is None:
@@ -179,15 +211,37 @@ class SGLangServer(ServerProcess):
             tree), "prompt_tokens", "finish_reason"}``.
 
         Raises:
-            PeerError: the server failed or answered something unexpected.
+            InvalidArgumentError: ``input_ids`` is not a non-empty list of token ids of the
+                model's vocabulary, or ``max_new_tokens`` is not a positive int (checked here:
+                SGLang 0.5.23 dies on an id outside its embedding table).
+            PeerError: the server failed (if it died, the message ends with its log's tail)
+                or answered something unexpected.
         """
-        reply = self.post(
-            "/generate",
-            {
-                "input_ids": [int(t) for t in input_ids],
-                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-            },
-        )
+        ids = list(input_ids) if isinstance(input_ids, Sequence | range) else None
+        bad = ids is None or not ids or isinstance(input_ids, str | bytes)
+        vocab = self.vocab_size
+        if bad or any(not _token_id(t) or t < 0 or (vocab and t >= vocab) for t in ids):
+            raise InvalidArgumentError(
+                f"input_ids must be a non-empty list of ints in 0 .. {vocab - 1 if vocab else 'N'}"
+                f", got {str(input_ids)[:200]}"
+            )
+        if type(max_new_tokens) is not int or max_new_tokens < 1:
+            raise InvalidArgumentError(
+                f"max_new_tokens must be a positive int, got {max_new_tokens!r}"
+            )
+        body = {
+            "input_ids": [int(t) for t in ids],
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        }
+        try:
+            reply = self.post("/generate", body)
+        except PeerError as e:
+            if self._proc is not None and self._proc.poll() is not None:
+                code = self._proc.returncode
+                raise PeerError(
+                    f"{self.name} died (exit code {code}): {e}{self._log_tail()}"
+                ) from e
+            raise
         try:
             meta = reply["meta_info"]
             return {
@@ -201,7 +255,7 @@ class SGLangServer(ServerProcess):
             raise PeerError(f"unexpected /generate reply from SGLang: {str(reply)[:500]}") from e
 
     def flush_cache(self) -> bool:
-        """Drop the whole radix tree (``POST /flush_cache``). SGLang refuses while requests
+        """Drop the whole radix tree (``GET /flush_cache``). SGLang refuses while requests
         run or wait: then False (retry when they finish).
 
         Raises:
