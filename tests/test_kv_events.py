@@ -660,3 +660,9 @@ def test_subscriber_rejects_bad_arguments():
         KVEventSubscriber("tcp://127.0.0.1:1", schema="trtllm")
     with pytest.raises(InvalidArgumentError):
         KVEventSubscriber("tcp://127.0.0.1:1", replay_timeout_s=0)
+
+
+@pytest.mark.parametrize("endpoint, replay", [(None, None), (123, None), ("tcp://127.0.0.1:5", 7)])
+def test_an_endpoint_that_is_not_a_string_is_refused(endpoint, replay):
+    with pytest.raises(InvalidArgumentError, match="ZMQ address string"):
+        KVEventSubscriber(endpoint, replay)

@@ -381,3 +381,11 @@ def test_flush_cache_empties_the_tree_and_the_answers_stay(live):
     assert first["prompt_tokens"] == 30 and len(first["output_ids"]) == 4
     assert again["cached_tokens"] >= len(prompt)  # the whole first prompt was cached
     assert flushed["cached_tokens"] == 0 and flushed["output_ids"] == first["output_ids"]
+
+
+def test_a_replayed_reset_does_not_caption_every_frame():
+    """The session ends with /flush_cache (AllBlocksCleared): that frame's title says so, the
+    status line (what a live server just did) stays empty for a recording."""
+    assert isinstance(COMMITTED.batches[-1][1].events[-1], AllBlocksCleared)
+    assert viz.replay_recording(COMMITTED.batches, schema="sglang").status == ""
+    assert viz.replay_sglang(COMMITTED).theirs.status == ""

@@ -38,7 +38,7 @@ from minirad.errors import InvalidArgumentError
 from minirad.models import DEFAULT_MODEL_DIR
 
 from .svg import side_by_side
-from .watch import BlockCacheView, replay_recording, watch
+from .watch import BlockCacheView, end_replay, replay_recording, watch
 from .widget import VIEW_CLASS, RadixView
 
 __all__ = ["BesideView", "SGLangBesideOurs", "replay_sglang", "watch_sglang"]
@@ -293,6 +293,7 @@ def replay_sglang(session=None, engine=None) -> SGLangBesideOurs:
             theirs.apply_batch(*batch)
         pair.engine.reset_prefix_cache()
         pair.add_request("flush_cache", (None, None))
+    end_replay(theirs)
     return pair
 
 

@@ -193,6 +193,9 @@ class KVEventSubscriber:
             raise InvalidArgumentError("replay_timeout_s and probe_interval_s must be > 0")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        for what, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
+            if not isinstance(value, str) and (value is not None or what == "endpoint"):
+                raise InvalidArgumentError(f"{what} must be a ZMQ address string, got {value!r}")
         self.schema = schema
         self.replay_timeout_s = replay_timeout_s
         self.probe_interval_s = probe_interval_s
