@@ -29,6 +29,9 @@
 - ``sglang-cache``: the real SGLang's cached tokens beside our radix tree's, request by
   request, on a text chat workload with evictions; ``--policies``: its eviction policies
   beside ours and Belady's MIN (:mod:`minirad.bench.sglang_cache`).
+- ``hicache``: the chat trace through a device pool alone and with a host tier 1, 2 and 4 times
+  its size: hit rate, prefill tokens, device and host (loaded-back) hits, against Belady's MIN
+  at the device and at the total capacity (:mod:`minirad.bench.hicache`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands (``-`` in a name is ``_`` in its module's), importing
@@ -64,6 +67,8 @@ _COMMANDS = {  # subcommand (= module name, "-" for "_") -> help
     "(and its eviction policies: --policies)",
     "transfer-cost": "loading KV back from a slower tier (host copy measured here, PCIe, NVMe...) "
     "vs recomputing it: times and the break-even length",
+    "hicache": "the chat trace device-only vs with a host tier (ratio 1, 2, 4): hit rate, "
+    "prefill tokens, device and host hits, against Belady's MIN at the total capacity",
 }
 
 
