@@ -19,9 +19,8 @@ import argparse
 from dataclasses import dataclass
 
 from minirad.bench.optimal import OptimalResult, belady
-from minirad.bench.radix import _fraction, _Lifecycle, capacity_for_fraction
+from minirad.bench.radix import _Lifecycle, add_trace_arguments, capacity_for_fraction
 from minirad.bench.trace import ChatTrace, make_chat_trace
-from minirad.entrypoints.argtypes import positive_int
 from minirad.errors import InvalidArgumentError
 from minirad.kvcache.hiradix_cache import WRITE_POLICIES, HiRadixCache
 from minirad.kvcache.radix_cache import RadixCache
@@ -198,23 +197,7 @@ def format_report(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``hicache`` subcommand's options (the trace and pool ones as ``radix``'s)."""
-    parser.add_argument(
-        "--conversations", type=positive_int, default=2000, help="number of conversations"
-    )
-    parser.add_argument("--turns", type=positive_int, default=4, help="mean turns per conversation")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument(
-        "--capacity", type=positive_int, default=None, help="device pool size in tokens"
-    )
-    size.add_argument(
-        "--capacity-frac",
-        type=_fraction,
-        default=0.1,
-        help="device pool size as a fraction of the trace's unique tokens (ignored with "
-        "--capacity), rounded down to whole pages and raised to what running requests need",
-    )
-    parser.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
+    add_trace_arguments(parser, capacity=None, capacity_frac=0.1, pool="device pool")
     parser.add_argument(
         "--ratios",
         type=float,

@@ -206,6 +206,30 @@ class WorkerPeer:
             buf += chunk
         return bytes(buf)
 
+    def _run_result(self, reply: dict, n_requests: int, name: str, kv: KVMemory) -> RunResult:
+        """A worker's ``generate`` reply (its docstring's per-request dicts) as a RunResult;
+        TTFTs only where the peer timed every request."""
+        outs = reply["outputs"]
+        if len(outs) != n_requests:
+            raise PeerError(f"{self.name} answered {len(outs)} of {n_requests} requests")
+        prompts = [o["prompt_token_ids"] for o in outs]
+        cached = [o["num_cached_tokens"] for o in outs]
+        timed = all(o["ttft"] is not None and o["ttft_from_start"] is not None for o in outs)
+        return RunResult(
+            name=name,
+            outputs=[o["token_ids"] for o in outs],
+            seconds=reply["seconds"],
+            ttft=[o["ttft"] for o in outs] if timed else [],
+            ttft_from_start=[o["ttft_from_start"] for o in outs] if timed else [],
+            prefill_tokens=sum(map(len, prompts)) - sum(cached),
+            encoder_calls=None,
+            cached_tokens=sum(cached),
+            prompt_token_ids=prompts,
+            num_cached_tokens=cached,
+            kv=kv,
+            rss=RSSPeak(**reply["rss"]),
+        )
+
     def _died(self) -> PeerError:
         try:
             code = self._proc.wait(timeout=5)
@@ -331,25 +355,11 @@ class VLLMPeer(WorkerPeer):
                 "structured": structured,
             }
         )
-        outs = reply["outputs"]
-        if len(outs) != len(requests):
-            raise PeerError(f"vLLM answered {len(outs)} of {len(requests)} requests")
-        prompts = [o["prompt_token_ids"] for o in outs]
-        cached = [o["num_cached_tokens"] for o in outs]
-        timed = all(o["ttft"] is not None for o in outs)
-        return RunResult(
-            name=f"vLLM {self.info['vllm_version']}",
-            outputs=[o["token_ids"] for o in outs],
-            seconds=reply["seconds"],
-            ttft=[o["ttft"] for o in outs] if timed else [],
-            ttft_from_start=[o["ttft_from_start"] for o in outs] if timed else [],
-            prefill_tokens=sum(map(len, prompts)) - sum(cached),
-            encoder_calls=None,
-            cached_tokens=sum(cached),
-            prompt_token_ids=prompts,
-            num_cached_tokens=cached,
-            kv=kv_memory(self.info, reply["kv_cache_usage"]["peak"]),
-            rss=RSSPeak(**reply["rss"]),
+        return self._run_result(
+            reply,
+            len(requests),
+            f"vLLM {self.info['vllm_version']}",
+            kv_memory(self.info, reply["kv_cache_usage"]["peak"]),
         )
 
     def reset_prefix_cache(self) -> bool:

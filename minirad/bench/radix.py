@@ -614,8 +614,14 @@ def format_report(bench: RadixBenchmark) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``radix`` subcommand's options."""
+def add_trace_arguments(
+    parser: argparse.ArgumentParser,
+    capacity: int | None,
+    capacity_frac: float | None,
+    pool: str = "KV pool",
+) -> None:
+    """The chat trace's options and the pool's size, shared by the benchmarks that replay it
+    (``radix``, ``hicache``): ``--capacity`` tokens or ``--capacity-frac`` of the unique ones."""
     parser.add_argument(
         "--conversations", type=positive_int, default=2000, help="number of conversations"
     )
@@ -623,16 +629,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
-        "--capacity", type=positive_int, default=262144, help="KV pool size in tokens"
+        "--capacity", type=positive_int, default=capacity, help=f"{pool} size in tokens"
     )
     size.add_argument(
         "--capacity-frac",
         type=_fraction,
-        default=None,
-        help="KV pool size as a fraction of the trace's unique tokens (instead of --capacity), "
+        default=capacity_frac,
+        help=f"{pool} size as a fraction of the trace's unique tokens (instead of --capacity), "
         "rounded down to whole pages and raised to what the running requests need",
     )
     parser.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``radix`` subcommand's options."""
+    add_trace_arguments(parser, capacity=262144, capacity_frac=None)
     parser.add_argument(
         "--policy",
         default="lru",

@@ -24,9 +24,8 @@ import re
 import threading
 from pathlib import Path
 
-from minirad.bench.common import KVMemory, RunResult, Workload
+from minirad.bench.common import KVMemory, Workload
 from minirad.bench.peer import WorkerPeer
-from minirad.bench.rss import RSSPeak
 from minirad.errors import InvalidArgumentError, PeerError
 from minirad.peers.server_process import usable_cpus
 from minirad.peers.sglang_env import sglang_python
@@ -190,25 +189,8 @@ class SGLangPeer(WorkerPeer):
                 "ignore_eos": ignore_eos,
             }
         )
-        outs = reply["outputs"]
-        if len(outs) != len(requests):
-            raise PeerError(f"SGLang answered {len(outs)} of {len(requests)} requests")
-        prompts = [o["prompt_token_ids"] for o in outs]
-        cached = [o["num_cached_tokens"] for o in outs]
-        timed = all(o["ttft"] is not None and o["ttft_from_start"] is not None for o in outs)
-        return RunResult(
-            name=f"SGLang {self.info['sglang_version']}",
-            outputs=[o["token_ids"] for o in outs],
-            seconds=reply["seconds"],
-            ttft=[o["ttft"] for o in outs] if timed else [],
-            ttft_from_start=[o["ttft_from_start"] for o in outs] if timed else [],
-            prefill_tokens=sum(map(len, prompts)) - sum(cached),
-            encoder_calls=None,
-            cached_tokens=sum(cached),
-            prompt_token_ids=prompts,
-            num_cached_tokens=cached,
-            kv=kv_memory(self.info),
-            rss=RSSPeak(**reply["rss"]),
+        return self._run_result(
+            reply, len(requests), f"SGLang {self.info['sglang_version']}", kv_memory(self.info)
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -152,12 +152,16 @@ class Session:
     batches: list[tuple[int, KVEventBatch]]
 
 
-def _drain(subscriber: KVEventSubscriber, quiet_s: float) -> list[tuple[int, KVEventBatch]]:
+def drain(
+    subscriber: KVEventSubscriber, quiet_s: float, layout: str | None = None
+) -> list[tuple[int, KVEventBatch]]:
     """Batches until nothing arrives for ``quiet_s`` seconds (a request's events are published
     by the engine step that computes its blocks, before or just after the HTTP reply).
 
     Raises:
-        PeerError: batches were lost or the server restarted: the recording would be wrong.
+        PeerError: batches were lost or bad, the server restarted, or (with ``layout``, one of
+            SGLang's :data:`~minirad.kv_events.SGLANG_LAYOUTS`) it speaks another layout: the
+            recording would be wrong.
     """
     out = []
     while items := subscriber.recv(timeout_s=quiet_s):
@@ -166,6 +170,8 @@ def _drain(subscriber: KVEventSubscriber, quiet_s: float) -> list[tuple[int, KVE
                 out.append(item)
             elif item.kind in ("lost", "restart", "bad_frame"):
                 raise PeerError(f"recording abandoned: {item.message}")
+            elif item.kind == "layout" and layout is not None and subscriber.layout != layout:
+                raise PeerError(f"recording abandoned: not the {layout!r} layout: {item.message}")
     return out
 
 
@@ -188,11 +194,11 @@ def record(server, requests: Sequence[ChatRequest] = CHAPTER_REQUESTS, quiet_s: 
     """
     subscriber = KVEventSubscriber(server.kv_events_endpoint, server.replay_endpoint)
     try:
-        batches = _drain(subscriber, quiet_s)  # nothing yet, but the replay probe has answered
+        batches = drain(subscriber, quiet_s)  # nothing yet, but the replay probe has answered
         outputs = []
         for r in requests:
             reply = server.chat(r.question, r.image_path, max_tokens=r.max_tokens, system=r.system)
-            new = _drain(subscriber, quiet_s)
+            new = drain(subscriber, quiet_s)
             batches += new
             outputs.append(
                 RecordedOutput(

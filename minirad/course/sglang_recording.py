@@ -47,14 +47,13 @@ from pathlib import Path
 
 import zmq
 
-from minirad.course.recordings import RECORDINGS_DIR, structure
+from minirad.course.recordings import RECORDINGS_DIR, drain, structure
 from minirad.course.scenes import SYSTEM_PROMPTS
 from minirad.errors import MiniradError, PeerError
 from minirad.kv_events import (
     END_SEQ,
     KVEventBatch,
     KVEventSubscriber,
-    Notice,
     load_recording,
     save_recording,
 )
@@ -160,25 +159,6 @@ class SGLangSession:
     frames: list[tuple[bytes, int, bytes]]
 
 
-def _drain(subscriber: KVEventSubscriber, quiet_s: float) -> list[tuple[int, KVEventBatch]]:
-    """Batches until nothing arrives for ``quiet_s`` seconds.
-
-    Raises:
-        PeerError: batches were lost or bad, the server restarted, or it speaks a layout
-            other than 0.5.23's: the recording would be wrong.
-    """
-    out = []
-    while items := subscriber.recv(timeout_s=quiet_s):
-        for item in items:
-            if not isinstance(item, Notice):
-                out.append(item)
-            elif item.kind in ("lost", "restart", "bad_frame"):
-                raise PeerError(f"recording abandoned: {item.message}")
-            elif item.kind == "layout" and subscriber.layout != "maps":
-                raise PeerError(f"recording abandoned: not SGLang 0.5.23's layout: {item.message}")
-    return out
-
-
 def replay_frames(replay_endpoint: str, timeout_s: float = 5.0) -> list[tuple[bytes, int, bytes]]:
     """Every batch a server's replay socket still holds, as it sends them: ``(topic, seq,
     payload)`` in seq order.
@@ -251,12 +231,13 @@ def record(
         server.kv_events_endpoint, server.replay_endpoint, schema="sglang"
     )
     try:
-        batches = _drain(subscriber, quiet_s)  # its start: a reset, the health check's token
+        # its start: a reset, the health check's token
+        batches = drain(subscriber, quiet_s, layout="maps")
         outputs = []
         for r in requests:
             ids = r.prompt_ids(tokenizer)
             reply = server.generate(ids, max_new_tokens=r.max_new_tokens)
-            batches += _drain(subscriber, quiet_s)
+            batches += drain(subscriber, quiet_s, layout="maps")
             outputs.append(
                 RecordedGeneration(
                     r,
@@ -271,7 +252,7 @@ def record(
         if flush:
             if not server.flush_cache():
                 raise PeerError("SGLang refused /flush_cache with no request running")
-            batches += _drain(subscriber, quiet_s)
+            batches += drain(subscriber, quiet_s, layout="maps")
     finally:
         subscriber.close()
     frames = replay_frames(server.replay_endpoint)
