@@ -33,6 +33,11 @@ from minirad.errors import InvalidArgumentError
 
 __all__ = [
     "AllocEvent",
+    "BackupEvent",
+    "DemoteEvent",
+    "HostEvictEvent",
+    "LoadBackEvent",
+    "PrefetchEvent",
     "BlockRemovedEvent",
     "BlockStoredEvent",
     "Event",
@@ -304,6 +309,87 @@ class JumpForwardEvent(Event):
         return f"jump-forward: {self.rid} + {plural(self.num_tokens, 'forced token')}"
 
 
+# --------------------------------------------------------------------------- tiers (HiCache)
+@dataclass(frozen=True, slots=True)
+class BackupEvent(Event):
+    """``write_backup``: the KV of ``node_ids`` (a path, root side first) was copied to a lower
+    tier: ``medium`` ``"CPU"`` (the host pool, ``host_value`` its slots in path order) or
+    ``"STORAGE"`` (the disk tier, ``host_value`` empty). The nodes keep their device slots."""
+
+    kind: ClassVar[str] = "backup"
+    node_ids: tuple[int, ...]
+    host_value: tuple[int, ...] = ()
+    medium: str = "CPU"
+
+    def describe(self) -> str:
+        where = "disk" if self.medium == "STORAGE" else "host"
+        return f"backup: nodes {list(self.node_ids)} copied to the {where}"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoteEvent(Event):
+    """A backed-up node left the device: its device slots ``value`` were freed, the node stays
+    in the tree, host-only (SGLang's ``_evict_backuped``)."""
+
+    kind: ClassVar[str] = "demote"
+    node_id: int
+    num_tokens: int
+    value: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        return f"demoted node {self.node_id} to the host: {plural(self.num_tokens, 'token')}"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBackEvent(Event):
+    """Host-only ``node_ids`` (root side first) are on the device again, in the new slots
+    ``value``: copied from their host copies (``load_back``), or, when ``recomputed``, given
+    the slots of a request that computed the same tokens again (an insert over them)."""
+
+    kind: ClassVar[str] = "load_back"
+    node_ids: tuple[int, ...]
+    value: tuple[int, ...] = ()
+    recomputed: bool = False
+
+    def describe(self) -> str:
+        how = "recomputed" if self.recomputed else "loaded back"
+        n = plural(len(self.value), "token")
+        return f"{how}: nodes {list(self.node_ids)}, {n} on the device"
+
+
+@dataclass(frozen=True, slots=True)
+class HostEvictEvent(Event):
+    """A host-only leaf left the tree (``evict_host``); ``host_value`` are the host slots it
+    freed. Its pages may still be on disk."""
+
+    kind: ClassVar[str] = "evict_host"
+    node_id: int
+    num_tokens: int
+    host_value: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        return f"evicted node {self.node_id} from the host: {plural(self.num_tokens, 'token')}"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchEvent(Event):
+    """Pages found on disk became a new host-only leaf ``node_id`` under ``parent_id``:
+    ``key`` its tokens, ``host_value`` the host slots they were read into."""
+
+    kind: ClassVar[str] = "prefetch"
+    node_id: int
+    parent_id: int
+    key: tuple[int, ...] = ()
+    host_value: tuple[int, ...] = ()
+    extra_key: str | None = None
+
+    def describe(self) -> str:
+        return (
+            f"prefetched node {self.node_id} from disk to the host: "
+            f"{plural(len(self.key), 'token')} under node {self.parent_id}"
+        )
+
+
 _EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -321,6 +407,11 @@ _EVENT_TYPES: dict[str, type[Event]] = {
         BlockRemovedEvent,
         StepEvent,
         JumpForwardEvent,
+        BackupEvent,
+        DemoteEvent,
+        LoadBackEvent,
+        HostEvictEvent,
+        PrefetchEvent,
     )
 }
 

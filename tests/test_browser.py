@@ -327,3 +327,72 @@ def test_forced_tokens_are_drawn_teal_with_their_share_of_the_box(page, tmp_path
     assert page.locator(".rv-forced-bar").count() == 0
     assert not page.locator(".rv-legend-item", has_text="forced").is_visible()
     assert not page.console.errors, page.console.errors
+
+
+def test_tiers_show_as_chips_dashed_boxes_and_a_host_pool(page, tmp_path):
+    """A HiRadixCache's frames in the player (tests/test_viz_tiers.py's story): stepping into a
+    demotion drains the node's dev chip (rv-chip-out) and draws its box dashed brown, with its
+    tier classes; the host pool panel has one cell per host page, classed by its owner; a
+    load-back fills the dev chip again (rv-chip-up). A plain tree shows none of it."""
+    from test_viz_tiers import story
+
+    from viz.svg import HOST_ONLY
+
+    frames, at = story()
+    assert at["demote"] == at["before"] + 1
+    path = RadixView(frames, step=at["before"]).to_html(tmp_path / "tiers.html")
+    page.goto(path.as_uri())
+    view = page.locator(".radix-view")
+    record(view)
+    view.locator(".rv-fwd").click()
+    page.wait_for_function("() => document.querySelector('.radix-view').__rvlog.length > 1")
+    f = frames[at["demote"]]
+    [demoted] = [n for n in f.nodes if "demoted" in n.tier_marks]
+    shown = recorded(view)[-1]
+    assert shown["counter"] == f"{f.index + 1} / {len(frames)}"
+    started = {(a["target"], a["kind"]) for a in shown["animations"]}
+    assert (str(demoted.id), "rv-chip-out") in started, started
+    classes = {i: set(cls.split()) for i, cls, _ in shown["nodes"]}
+    for n in f.nodes:
+        tiers = {c for c in classes[n.id] if c.startswith("tier-")}
+        assert tiers == {f"tier-{t}" for t in n.tiers}, (n, classes[n.id])
+        assert ("host-only" in classes[n.id]) == n.host_only, n
+    assert "mark-demoted" in classes[demoted.id]
+    chips = page.evaluate(
+        """(id) => [...document.querySelectorAll(`.rv-node[data-id="${id}"] .rv-tier-chip`)]
+             .filter((c) => c.style.display !== "none").map((c) => c.getAttribute("class"))""",
+        demoted.id,
+    )
+    assert chips == ["rv-tier-chip device", "rv-tier-chip host on"]
+    styles = {s["id"]: s for s in box_styles(view)}
+    s = styles[demoted.id]
+    assert (s["fill"], s["stroke"]) == (rgb(HOST_ONLY[0]), rgb(HOST_ONLY[1])), s
+    assert s["dash"] != "none" and float(s["opacity"]) == 1
+    cells = page.evaluate(
+        "() => [...document.querySelectorAll('.rv-hcell')].map((c) => c.getAttribute('class'))"
+    )
+    owners = f.host_pool.owners()
+    assert len(cells) == len(owners)
+    for cls, owner in zip(cells, owners, strict=True):
+        kind = "free" if owner is None else "host-only" if f.node(owner).host_only else "host-copy"
+        assert kind in cls.split(), (owner, cls)
+    assert page.locator(".rv-pool-head", has_text="Host pool:").is_visible()
+    assert page.locator(".rv-legend-item", has_text="host-only").is_visible()
+    # The load-back: the dev chip fills again, rising from the host.
+    path = RadixView(frames, step=at["load_back"] - 1).to_html(tmp_path / "load.html")
+    page.goto(path.as_uri())
+    view = page.locator(".radix-view")
+    record(view)
+    view.locator(".rv-fwd").click()
+    page.wait_for_function("() => document.querySelector('.radix-view').__rvlog.length > 1")
+    shown = recorded(view)[-1]
+    started = {(a["target"], a["kind"]) for a in shown["animations"]}
+    assert (str(demoted.id), "rv-chip-up") in started, started
+    assert "host-only" not in dict((i, c) for i, c, _ in shown["nodes"])[demoted.id].split()
+    # A plain tree: no chips, no host pool, no tier legend.
+    plain = RadixView(scenario_frames(per="step")).to_html(tmp_path / "plain.html")
+    page.goto(plain.as_uri())
+    assert page.locator(".rv-tier-chip").count() == 0 and page.locator(".rv-hcell").count() == 0
+    assert not page.locator(".rv-pool-head", has_text="Host pool:").is_visible()
+    assert not page.locator(".rv-legend-item", has_text="host-only").is_visible()
+    assert not page.console.errors, page.console.errors

@@ -11,6 +11,7 @@ the KV of the matched prefix.
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
@@ -23,6 +24,12 @@ from hypothesis.stateful import (
 )
 
 from minirad.errors import InvalidArgumentError, InvariantError, LockError, OutOfMemoryError
+from minirad.events import BackupEvent
+from minirad.kv_events import BlockRemoved, BlockStored
+from minirad.kv_events.block_events import RadixBlockEvents, block_hash_u64
+from minirad.kv_events.event_tree import EventTree
+from minirad.kvcache.block_pool import hash_block_tokens, none_hash
+from minirad.kvcache.hicache_storage import HiCacheMemoryStorage
 from minirad.kvcache.hiradix_cache import HiRadixCache, HiTreeNode
 from minirad.kvcache.host_pool import RecordingTransfer, make_host_pool
 from minirad.kvcache.kv_pool import PAGE_CACHED, TokenToKVPoolAllocator
@@ -284,16 +291,45 @@ def test_reset_frees_both_pools():
     cache.check_invariants()
 
 
-def test_request_lifecycle_locks_the_device_prefix():
+def test_request_lifecycle_loads_back_and_locks_the_prefix():
+    """match_prefix_for_req loads the host-only prefix back (over the threshold) and locks it;
+    below the threshold the request recomputes it."""
     cache, alloc = make()
     put(cache, alloc, A)
     cache.evict(100)
     req = Req("r", A + [1])
-    assert cache.match_prefix_for_req(req) == []  # host-only: the engine loads it back first
-    req.kv_indices = alloc.alloc(len(A) + 1)
+    prefix = cache.match_prefix_for_req(req)
+    assert len(prefix) == 12 and (req.host_hit_length, req.storage_hit_length) == (12, 0)
+    assert req.last_node.lock_ref == 1 and not req.last_node.evicted
+    req.kv_indices = prefix + alloc.alloc(1)
     cache.cache_finished_req(req)
-    assert cache.match_prefix(A).indices and alloc.available_size() == alloc.size - 13
+    assert cache.match_prefix(A).indices == prefix and alloc.available_size() == alloc.size - 13
     cache.check_invariants()
+    cache.evict(100)
+    short = Req("s", A[:5] + [1])  # 5 host-only tokens < load_back_threshold 10
+    assert cache.match_prefix_for_req(short) == [] and short.host_hit_length == 0
+    cache.cache_finished_req(short, is_insert=False)
+    cache.check_invariants()
+
+
+def test_the_disk_tier_refills_the_host_after_host_eviction():
+    storage = HiCacheMemoryStorage()
+    cache, alloc = make(storage=storage, storage_page_size=4, load_back_threshold=1)
+    put(cache, alloc, A)  # 12 tokens: 3 pages of 4 on disk
+    assert len(storage) == 3 and all(n.on_disk for n in cache.nodes())
+    cache.evict(100)
+    cache.evict_host(100)
+    assert cache.total_size() == 0 and cache.host_size() == 0
+    res = cache.match_prefix(A + [1])
+    assert res.storage_hit_length == 12 and res.host_hit_length == 0
+    req = Req("r", A + [1])
+    assert len(cache.match_prefix_for_req(req)) == 12
+    assert (req.host_hit_length, req.storage_hit_length) == (0, 12)
+    cache.cache_finished_req(req, is_insert=False)
+    cache.check_invariants()
+    # Another namespace (another model) finds nothing on the same storage.
+    other, _ = make(storage=storage, storage_page_size=4, storage_namespace="other-model")
+    assert other.match_prefix(A).storage_hit_length == 0
 
 
 # ---------------------------------------------------------------------- the state machine
@@ -311,6 +347,24 @@ class DataTransfer:
         for h, d in zip(host_slots, device_slots, strict=True):
             self.device[d] = self.host[h]
 
+    # A storage page holds the labels as indices into a registry (pages hold tensors).
+    labels: list[tuple] = []
+
+    def read_host(self, host_slots) -> dict:
+        ids = []
+        for h in host_slots:
+            self.labels.append(self.host[h])
+            ids.append(len(self.labels) - 1)
+        return {"labels": torch.tensor(ids)}
+
+    def accepts(self, page) -> bool:
+        return set(page) == {"labels"}
+
+    def write_host(self, host_slots, pages, offset) -> None:
+        ids = torch.cat([p["labels"] for p in pages])[offset:].tolist()
+        for h, i in zip(host_slots, ids, strict=False):
+            self.host[h] = self.labels[i]
+
 
 keys = st.lists(st.integers(0, 2), min_size=1, max_size=8)
 
@@ -319,6 +373,7 @@ class HiRadixMachine(RuleBasedStateMachine):
     cache_cls = HiRadixCache
     page_size = 1
     write_policy = "write_through"
+    storage = False  # a disk tier (in memory) behind the host
 
     def __init__(self) -> None:
         super().__init__()
@@ -333,8 +388,15 @@ class HiRadixMachine(RuleBasedStateMachine):
             write_policy=self.write_policy,
             load_back_threshold=2 * ps,
             transfer=DataTransfer(self.device_kv, self.host_kv),
+            storage=HiCacheMemoryStorage() if self.storage else None,
+            storage_page_size=2 * ps,
         )
         self.locks: list[HiTreeNode] = []
+        # What a viewer and a router see: the tree and vLLM's block events, from events only.
+        self.mirror = EventTree()
+        self.cache.bus.subscribe(self.mirror.apply)
+        self.blocks = RadixBlockEvents(self.cache.bus, block_size=2 * ps, medium="GPU")
+        self.live: set[tuple[int, str]] = set()  # (block hash, medium) the events hold
 
     def aligned(self, key):
         return key[: len(key) - len(key) % self.page_size]
@@ -438,6 +500,44 @@ class HiRadixMachine(RuleBasedStateMachine):
                     assert kv[slot] == tuple(path[: start + j + 1]), f"slot {slot}: wrong KV"
 
     @invariant()
+    def the_events_tell_the_tiers(self):
+        """An EventTree fed the events holds each node's key and both tiers' slots; the
+        block events hold each whole block once per tier it is in (GPU device, CPU host)."""
+        self.mirror.release()
+        nodes = {n.id: n for n in self.cache.nodes()}
+        assert set(self.mirror.nodes) == set(nodes) | {0}
+        expected = set()
+        for i, n in nodes.items():
+            m = self.mirror.nodes[i]
+            assert (m.key, m.value) == (tuple(n.key), tuple(n.value)), f"node {i}"
+            assert m.host_value == (None if n.host_value is None else tuple(n.host_value))
+            path, p = [], n
+            while p is not self.cache.root_node:
+                path[:0] = p.key
+                p = p.parent
+            digest = none_hash(0)
+            b = 2 * self.page_size  # the block size of the events, and of a storage page
+            for j in range(len(path) // b):
+                digest = hash_block_tokens(digest, path[b * j : b * j + b], None)
+                if b * j + b > len(path) - len(n.key):  # the block ends inside this node
+                    h = block_hash_u64(digest)
+                    expected |= {(h, "GPU")} if n.value else set()
+                    expected |= {(h, "CPU")} if n.host_value is not None else set()
+                    expected |= {(h, "STORAGE")} if n.on_disk else set()
+        for e in self.blocks.take_events():
+            if isinstance(e, BlockStored):
+                for h in e.block_hashes:
+                    new = (h, e.medium) not in self.live or e.medium == "STORAGE"
+                    assert new, f"block stored twice in {e.medium}"
+                    self.live.add((h, e.medium))
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    self.live.remove((h, e.medium))
+        disk = {b for b in self.live if b[1] == "STORAGE"}  # pages stay on disk: no removals
+        assert self.live - disk == {b for b in expected if b[1] != "STORAGE"}
+        assert {b for b in expected if b[1] == "STORAGE"} <= disk
+
+    @invariant()
     def memory_adds_up(self):
         tree = sum(len(n.value) for n in self.cache.nodes())
         assert self.alloc.available_size() + tree == self.alloc.size
@@ -445,13 +545,15 @@ class HiRadixMachine(RuleBasedStateMachine):
 
 
 MACHINES = [
-    (ps, policy) for ps in (1, 2) for policy in ("write_through", "write_through_selective")
-] + [(1, "write_back"), (2, "write_back")]
+    (ps, policy, False) for ps in (1, 2) for policy in ("write_through", "write_through_selective")
+] + [(1, "write_back", False), (2, "write_back", False)]
+MACHINES += [(1, "write_through", True), (2, "write_back", True)]
 
 
-@pytest.mark.parametrize(("page_size", "write_policy"), MACHINES)
-def test_state_machine(page_size, write_policy):
-    machine = type("M", (HiRadixMachine,), {"page_size": page_size, "write_policy": write_policy})
+@pytest.mark.parametrize(("page_size", "write_policy", "storage"), MACHINES)
+def test_state_machine(page_size, write_policy, storage):
+    attrs = {"page_size": page_size, "write_policy": write_policy, "storage": storage}
+    machine = type("M", (HiRadixMachine,), attrs)
     run_state_machine_as_test(
         machine,
         settings=settings(max_examples=60, stateful_step_count=40, deadline=None, database=None),
@@ -478,6 +580,7 @@ class BacksUpOnlyTheNode(HiRadixCache):
             return False
         node.host_value = host
         self.transfer.write_backup(node.value, host)
+        self._record(BackupEvent, self.bus.time, [node], host, "CPU")
         return True
 
 

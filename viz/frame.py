@@ -17,6 +17,22 @@ States, as in Figure 3 of the SGLang paper (and :mod:`minirad.course.scenario`):
   and is gone from the next one;
 - ``idle`` (grey): untouched since the previous frame.
 
+A cache with tiers (:class:`minirad.kvcache.hiradix_cache.HiRadixCache`, SGLang's HiCache)
+adds, independent of the state, where each node's KV is (:attr:`NodeView.tiers`: some of
+``"device"``, ``"host"``, ``"disk"``) and what moved it between tiers in this frame
+(:attr:`NodeView.tier_marks`, in the order it happened, see :data:`TIER_MARKS`):
+
+- ``backed_up``: copied to the host pool (it keeps its device slots);
+- ``stored``: its pages written to the disk tier;
+- ``demoted``: its device slots freed, the node stays in the tree, host-only;
+- ``loaded_back``: a host-only node on the device again, copied from its host copy;
+- ``recomputed``: the same, but a request computed its tokens again (an insert over it);
+- ``host_evicted``: a host-only leaf left the tree (its state is ``evicted`` too);
+- ``prefetched``: a new host-only node read from disk (its state is ``added`` too).
+
+Such a frame also has a host pool panel (:attr:`Frame.host_pool`). A plain RadixCache's
+frames have neither (``tiers`` is None), and their wire format is unchanged.
+
 Independent of the state, the tokens a grammar forced (jump-forward decoding) are marked on
 their edges (:attr:`Label.forced`): teal text and a teal bar under that part of the box.
 
@@ -33,6 +49,8 @@ from minirad.events import StepEvent
 
 __all__ = [
     "STATES",
+    "TIERS",
+    "TIER_MARKS",
     "Frame",
     "Label",
     "NodeView",
@@ -43,6 +61,16 @@ __all__ = [
 ]
 
 STATES = ("idle", "split", "accessed", "added", "evicted")  # weakest first
+TIERS = ("device", "host", "disk")  # where a node's KV can be, fastest first
+TIER_MARKS = (
+    "backed_up",
+    "stored",
+    "demoted",
+    "loaded_back",
+    "recomputed",
+    "host_evicted",
+    "prefetched",
+)
 
 
 # ------------------------------------------------------------------ what a frame holds
@@ -95,7 +123,13 @@ class Label:
 @dataclass(frozen=True, slots=True)
 class NodeView:
     """One node in one frame. ``col``/``depth`` are its layout cell; the root has id 0,
-    no parent and no label."""
+    no parent and no label.
+
+    ``tiers`` (caches with tiers only, else None): where the node's KV is, some of
+    :data:`TIERS` in that order (the root is ``("device",)``; a ghost keeps the tiers it had
+    when it left). ``tier_marks``: what moved it between tiers since the previous frame, some
+    of :data:`TIER_MARKS` in the order it happened.
+    """
 
     id: int
     parent: int | None
@@ -107,13 +141,21 @@ class NodeView:
     state: str
     label: Label | None
     extra_key: str | None = None
+    tiers: tuple[str, ...] | None = None
+    tier_marks: tuple[str, ...] = ()
+
+    @property
+    def host_only(self) -> bool:
+        """Its KV is not on the device (host and/or disk only); False without tiers."""
+        return self.tiers is not None and "device" not in self.tiers
 
     def to_wire(self) -> tuple:
         """``(id, parent, col, depth, num_tokens, lock_ref, last_access, state, label index,
-        extra_key)``: an array in JSON, not an object, because a live view sends a whole tree
-        per event (radix_view.js ``unpackNode`` reads it back)."""
+        extra_key)``, then ``tiers, tier_marks`` (as lists) for a cache with tiers: an array in
+        JSON, not an object, because a live view sends a whole tree per event (radix_view.js
+        ``unpackNode`` reads it back)."""
         label = None if self.label is None else self.label.index
-        return (
+        plain = (
             self.id,
             self.parent,
             self.col,
@@ -125,13 +167,18 @@ class NodeView:
             label,
             self.extra_key,
         )
+        if self.tiers is None and not self.tier_marks:
+            return plain
+        return (*plain, list(self.tiers or ()), list(self.tier_marks))
 
 
 @dataclass(frozen=True, slots=True)
 class PoolView:
-    """The KV pool in one frame: ``num_cells`` cells (one per page; a page is one slot when
+    """A KV pool in one frame: ``num_cells`` cells (one per page; a page is one slot when
     ``page_size`` is 1), described as runs ``(first cell, length, owner)``. ``owner`` is a
-    tree node id (int), a running request's id (str), or None (free)."""
+    tree node id (int), a running request's id (str), or None (free). The host pool
+    (:attr:`Frame.host_pool`) has the same form; its owners are the nodes whose host copy
+    holds the page."""
 
     num_cells: int
     page_size: int
@@ -220,9 +267,11 @@ class Frame:
             :meth:`StepView.describe` first).
         events: ``describe()`` of every event since the previous frame, in order.
         nodes: the root first, then every node and ghost, in creation order.
-        pool: the KV pool.
+        pool: the KV pool (the device's).
         step: the engine step that ended this frame, or None (no engine, or a frame taken
             between steps).
+        host_pool: the host pool of a cache with tiers (owners: the nodes whose host copy
+            holds each page), or None (a plain cache).
     """
 
     index: int
@@ -233,6 +282,7 @@ class Frame:
     nodes: tuple[NodeView, ...]
     pool: PoolView
     step: StepView | None = None
+    host_pool: PoolView | None = None
 
     def node(self, node_id: int) -> NodeView:
         """The node with this id. Raises KeyError if it is not in the frame."""
@@ -266,7 +316,8 @@ class Frame:
     def to_dict(self, memo: dict | None = None) -> dict:
         """JSON-ready; nodes as :meth:`NodeView.to_wire` lists, labels by index (see
         :func:`frames_to_wire`); ``step`` is :meth:`StepView.to_dict` or None (the player
-        shows it through the caption). ``memo`` caches the wire form of the node views and
+        shows it through the caption); ``host_pool`` (:meth:`PoolView.to_dict`) only for a
+        cache with tiers. ``memo`` caches the wire form of the node views and
         pools that frames share."""
         memo = {} if memo is None else memo
 
@@ -276,7 +327,7 @@ class Frame:
                 hit = memo[id(obj)] = (obj, convert(obj))
             return hit[1]
 
-        return {
+        d = {
             "index": self.index,
             "time": self.time,
             "title": self.title,
@@ -286,6 +337,9 @@ class Frame:
             "pool": wire(self.pool, PoolView.to_dict),
             "step": None if self.step is None else self.step.to_dict(),
         }
+        if self.host_pool is not None:
+            d["host_pool"] = wire(self.host_pool, PoolView.to_dict)
+        return d
 
 
 def frame_labels(frames: Iterable[Frame]) -> dict[int, Label]:

@@ -26,6 +26,14 @@ choices. The step frame that computes a run marks it; its caption names each jum
 
     step 2: prefill req-0 (tokens 101-111) | insert: ...; jump-forward: req-0 + 3 forced tokens
 
+Tiers (:class:`minirad.kvcache.hiradix_cache.HiRadixCache`): the builder follows where each
+node's KV is (device, host, disk: :attr:`~viz.frame.NodeView.tiers`), marks the nodes that a
+backup, demotion, load-back, host eviction or prefetch moved in this frame
+(:attr:`~viz.frame.NodeView.tier_marks`), and keeps a second pool, the host pool, whose owners
+come from the events' ``host_value`` (:attr:`~viz.frame.Frame.host_pool`). A builder shows
+tiers when given ``host_pool_size``, or from the first tier event on; a plain cache's frames
+stay as they were.
+
 Node ids are the cache's ``TreeNode.id``: a split keeps the id on the prefix part and gives
 the suffix a new one (:class:`minirad.events.SplitEvent`), so a node never changes identity
 in the drawing.
@@ -46,14 +54,19 @@ from pathlib import Path
 
 from minirad.events import (
     AllocEvent,
+    BackupEvent,
+    DemoteEvent,
     Event,
     EventBus,
     EvictEvent,
     FreeEvent,
+    HostEvictEvent,
     InsertEvent,
     JumpForwardEvent,
+    LoadBackEvent,
     LockEvent,
     MatchEvent,
+    PrefetchEvent,
     ResetEvent,
     SplitEvent,
     StepEvent,
@@ -71,6 +84,18 @@ __all__ = ["FrameBuilder", "frames_from_events", "image_names"]
 _RANK = {s: i for i, s in enumerate(STATES)}
 TREE_POOL = "token_pool"  # the allocator of the radix tree (minirad.kvcache.kv_pool)
 FULL_TEXT_CHARS = 2000  # longer edges are cut in the hover text
+# Events worth naming in a frame's caption when several happened (besides a match).
+_NOTABLE = (
+    SplitEvent,
+    EvictEvent,
+    ResetEvent,
+    JumpForwardEvent,
+    BackupEvent,
+    DemoteEvent,
+    LoadBackEvent,
+    HostEvictEvent,
+    PrefetchEvent,
+)
 
 
 # ------------------------------------------------------------------ images
@@ -99,6 +124,10 @@ class FrameBuilder:
         max_chars: characters of edge text shown in a node box.
         pool_name: the ``pool`` whose alloc/free events are tracked (the radix tree's
             token allocator); other pools' events are ignored.
+        host_pool_size: host pool capacity in tokens, for a cache with tiers
+            (``HiRadixCache.host_pool.size``): every frame then shows tiers and the host pool.
+            None: they appear with the first tier event, and the host pool grows to the
+            highest host slot seen.
     """
 
     def __init__(
@@ -112,6 +141,7 @@ class FrameBuilder:
         every_event: bool = True,
         max_chars: int = 20,
         pool_name: str = TREE_POOL,
+        host_pool_size: int | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -129,6 +159,13 @@ class FrameBuilder:
         num_pages = -(-pool_size // page_size) if pool_size else 0
         self._owner: list[int | str | None] = [None] * num_pages  # per page
         self._pool_view: PoolView | None = None  # cached until the pool changes
+        # The host pool (tiers): its owner per page, from the events' host_value.
+        self.tiered = host_pool_size is not None  # frames show tiers and the host pool
+        self._fixed_host = host_pool_size is not None
+        num_host_pages = -(-host_pool_size // page_size) if host_pool_size else 0
+        self._host_owner: list[int | str | None] = [None] * num_host_pages
+        self._host_pool_view: PoolView | None = None
+        self._marks: dict[int, list[str]] = {}  # tier marks since the last frame, in order
         self._pending: list[Event] = []  # events since the last frame
         self._step: StepView | None = None  # the engine step that ends the pending frame
         self.num_steps = 0  # engine steps seen
@@ -220,23 +257,67 @@ class FrameBuilder:
         self._mark(e.new_node_id, "split")
         self._mark(e.node_id, "split")
         self._set_owner(suffix.value, e.new_node_id)
+        if suffix.host_value:
+            self._set_owner(suffix.host_value, e.new_node_id, host=True)
 
     def _on_lock(self, e: LockEvent | UnlockEvent) -> None:
         self._touched.update(e.node_ids)
 
     def _on_evict(self, e: EvictEvent) -> None:
         self._mark(e.node_id, "evicted")
-        self._set_owner(self.tree.evicted[e.node_id].value, None)
+        node = self.tree.evicted[e.node_id]
+        self._set_owner(node.value, None)
+        if node.host_value:  # not for HiRadixCache (a backed-up node is demoted instead)
+            self._set_owner(node.host_value, None, host=True)
 
     def _on_reset(self, e: ResetEvent) -> None:
         if e.source == RESET_SOURCE:  # the tree evicted every node
             for i, node in self.tree.evicted.items():
                 self._mark(i, "evicted")
                 self._set_owner(node.value, None)
+                if node.host_value:
+                    self._set_owner(node.host_value, None, host=True)
             # The cache hands out ids from 0 again: ghosts are dropped with this frame.
         else:  # the pool
             self._owner = [None] * len(self._owner)
             self._pool_view = None
+
+    # Tiers (HiRadixCache).
+    def _tier_mark(self, node_id: int, mark: str) -> None:
+        if not self.tiered:  # the first tier event: from now on every view shows tiers
+            self.tiered = True
+            self._views.clear()
+        marks = self._marks.setdefault(node_id, [])
+        if mark not in marks:
+            marks.append(mark)
+
+    def _on_backup(self, e: BackupEvent) -> None:
+        to_disk = e.medium == "STORAGE"
+        for i in e.node_ids:
+            self._tier_mark(i, "stored" if to_disk else "backed_up")
+            if not to_disk:
+                self._set_owner(self.tree.nodes[i].host_value, i, host=True)
+
+    def _on_demote(self, e: DemoteEvent) -> None:
+        self._tier_mark(e.node_id, "demoted")
+        self._set_owner(e.value, None)
+
+    def _on_load_back(self, e: LoadBackEvent) -> None:
+        for i in e.node_ids:
+            self._tier_mark(i, "recomputed" if e.recomputed else "loaded_back")
+            self._set_owner(self.tree.nodes[i].value, i)
+
+    def _on_host_evict(self, e: HostEvictEvent) -> None:
+        self._mark(e.node_id, "evicted")
+        self._tier_mark(e.node_id, "host_evicted")
+        self._set_owner(e.host_value, None, host=True)
+
+    def _on_prefetch(self, e: PrefetchEvent) -> None:
+        self._labels[e.node_id] = self._label(e.key)
+        self.layout.add(e.node_id)
+        self._mark(e.node_id, "added")
+        self._tier_mark(e.node_id, "prefetched")
+        self._set_owner(e.host_value, e.node_id, host=True)
 
     def _on_step(self, e: StepEvent) -> None:
         # The step's cache and pool events came before it (LLMEngine.step publishes it last),
@@ -305,18 +386,26 @@ class FrameBuilder:
     def _on_free(self, e: FreeEvent) -> None:
         self._set_owner(e.ids, None)
 
-    def _set_owner(self, slots: Sequence[int], owner: int | str | None) -> None:
+    def _set_owner(
+        self, slots: Sequence[int], owner: int | str | None, *, host: bool = False
+    ) -> None:
+        """Give the pages of ``slots`` to ``owner`` in the device pool (or the host pool)."""
         if not slots:
             return
         ps = self.page_size
+        table = self._host_owner if host else self._owner
         need = max(slots) // ps + 1
-        if need > len(self._owner):
-            if self._fixed_pool:
-                raise ValueError(f"slot {max(slots)} is beyond the pool of {len(self._owner)}")
-            self._owner.extend([None] * (need - len(self._owner)))
+        if need > len(table):
+            if self._fixed_host if host else self._fixed_pool:
+                which = "host pool" if host else "pool"
+                raise ValueError(f"slot {max(slots)} is beyond the {which} of {len(table)}")
+            table.extend([None] * (need - len(table)))
         for s in slots:
-            self._owner[s // ps] = owner
-        self._pool_view = None
+            table[s // ps] = owner
+        if host:
+            self._host_pool_view = None
+        else:
+            self._pool_view = None
 
     # ------------------------------------------------------------------ labels
     def _is_image(self, t: int) -> bool:
@@ -382,23 +471,32 @@ class FrameBuilder:
         )
 
     # ------------------------------------------------------------------ output
+    def _pool_of(self, owners: list[int | str | None]) -> PoolView:
+        runs, start = [], 0
+        for owner, group in itertools.groupby(owners):
+            n = len(list(group))
+            runs.append((start, n, owner))
+            start += n
+        return PoolView(len(owners), self.page_size, tuple(runs))
+
     def _pool(self) -> PoolView:
         if self._pool_view is None:
-            runs, start = [], 0
-            for owner, group in itertools.groupby(self._owner):
-                n = len(list(group))
-                runs.append((start, n, owner))
-                start += n
-            self._pool_view = PoolView(len(self._owner), self.page_size, tuple(runs))
+            self._pool_view = self._pool_of(self._owner)
         return self._pool_view
+
+    def _host_pool(self) -> PoolView | None:
+        if not self.tiered:
+            return None
+        if self._host_pool_view is None:
+            self._host_pool_view = self._pool_of(self._host_owner)
+        return self._host_pool_view
 
     def _caption(self) -> str:
         events = self._pending
         notable = [
             e.describe()
             for e in events
-            if isinstance(e, SplitEvent | EvictEvent | ResetEvent | JumpForwardEvent)
-            or (isinstance(e, InsertEvent) and e.node_id is not None)
+            if isinstance(e, _NOTABLE) or (isinstance(e, InsertEvent) and e.node_id is not None)
         ]
         if self._step is not None:  # what the engine did, then what changed in the tree
             tree = "; ".join(notable)
@@ -415,7 +513,8 @@ class FrameBuilder:
         """Freeze the current state into a frame (appended to :attr:`frames`); evicted nodes
         appear in it as ghosts and are dropped afterwards; every state goes back to idle."""
         layout, states, cache, tree = self.layout, self._states, self._views, self.tree
-        changed = self._touched | self._was_marked | layout.moved | states.keys()
+        marks, tiered = self._marks, self.tiered
+        changed = self._touched | self._was_marked | layout.moved | states.keys() | marks.keys()
         views = []
         for table in (tree.nodes, tree.evicted):
             for i, n in table.items():
@@ -432,6 +531,8 @@ class FrameBuilder:
                         states.get(i, "idle"),
                         self._labels.get(i),
                         n.extra_key,
+                        n.tiers if tiered else None,
+                        tuple(marks.get(i, ())),
                     )
                 views.append(v)
         frame = Frame(
@@ -443,12 +544,14 @@ class FrameBuilder:
             tuple(views),
             self._pool(),
             self._step,
+            self._host_pool(),
         )
         self.frames.append(frame)
         self._pending = []
         self._step = None
-        self._was_marked = set(states)
+        self._was_marked = set(states) | marks.keys()
         self._states = {}
+        self._marks = {}
         self._touched = set()
         layout.moved.clear()
         if tree.evicted:
@@ -473,6 +576,11 @@ _HANDLERS: dict[type, Callable[[FrameBuilder, Event], None]] = {
     FreeEvent: FrameBuilder._on_free,
     StepEvent: FrameBuilder._on_step,
     JumpForwardEvent: FrameBuilder._on_jump,
+    BackupEvent: FrameBuilder._on_backup,
+    DemoteEvent: FrameBuilder._on_demote,
+    LoadBackEvent: FrameBuilder._on_load_back,
+    HostEvictEvent: FrameBuilder._on_host_evict,
+    PrefetchEvent: FrameBuilder._on_prefetch,
 }
 
 

@@ -43,7 +43,9 @@ def builder_for(source: Any, images: Iterable = (), **overrides) -> tuple[FrameB
 
     Args:
         source: an :class:`~minirad.engine.LLMEngine` (tree + allocator + tokenizer), a
-            :class:`~minirad.kvcache.radix_cache.RadixCache`, a
+            :class:`~minirad.kvcache.radix_cache.RadixCache` (a
+            :class:`~minirad.kvcache.hiradix_cache.HiRadixCache`'s frames show its tiers and
+            host pool), a
             :class:`~minirad.course.scenario.ScenarioReplay`, or an
             :class:`~minirad.events.EventBus`.
         images: PIL images (or paths) the engine will see, to name their spans by hash
@@ -80,6 +82,11 @@ def builder_for(source: Any, images: Iterable = (), **overrides) -> tuple[FrameB
                 "the cache already holds tokens: attach the view before the first insert "
                 "(or after cache.reset()), since frames are built from events only"
             )
+    host = getattr(cache, "host_pool", None)  # a cache with tiers (HiRadixCache)
+    if host is not None:
+        kw["host_pool_size"] = host.size
+        if host.available_size() != host.size:
+            raise ValueError("the host pool already has slots in use: attach the view first")
     if alloc is not None:
         kw["pool_size"] = alloc.size
         if alloc.available_size() != alloc.size:

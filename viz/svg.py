@@ -12,6 +12,12 @@ orange; an edge that starts with an image (a fork at an image boundary) is purpl
 a grammar forced (jump-forward) is teal, with a teal bar under its share of the box. Under
 the tree, the KV pool: one cell per page, coloured by the owner's state (tree node), orange
 (running request) or white (free).
+
+A cache with tiers (HiRadixCache) adds chips on each box's top edge, ``dev`` ``host`` (and
+``disk`` once written there), filled in the tier's colour where the node's KV is and hollow where
+it is not; a host-only node's box is dashed brown, light brown when idle; a second strip under
+the KV pool shows the host pool (light brown: backups of device nodes, darker: host-only nodes,
+an amber outline: copied in this frame). A plain cache's drawing is unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from minirad.events import plural
 
 from .frame import Frame, NodeView
 
-__all__ = ["COLORS", "frame_svg", "side_by_side"]
+__all__ = ["COLORS", "HOST", "HOST_ONLY", "TIER_COLORS", "frame_svg", "side_by_side"]
 
 # Layout geometry, in px (radix_view.js uses the same numbers).
 COL_W, ROW_H = 148, 64
@@ -51,6 +57,14 @@ IMAGE = "#8e44ad"
 FORCED = "#00897b"  # tokens a grammar forced (jump-forward)
 REQUEST = ("#f6c177", "#b7791f")
 FREE = ("#ffffff", "#cccccc")
+# Tiers (radix_view.css's --rv-device, --rv-host-line, --rv-disk...): the chips' fills, and the
+# (fill, stroke) of host pool cells: a backup of a device node, a host-only node.
+TIER_COLORS = {"device": "#37474f", "host": "#8d6e63", "disk": "#827717"}
+HOST = ("#f3ede8", "#8d6e63")
+HOST_ONLY = ("#d7ccc8", "#8d6e63")
+TIER_NEW = "#ffb300"  # the outline of host pages copied in this frame
+CHIP_W, CHIP_H, CHIP_X, CHIP_GAP = 20, 11, 2, 1
+CHIP_TEXT = {"device": "dev", "host": "host", "disk": "disk"}
 
 
 def _box(n: NodeView, top: int) -> tuple[int, int]:
@@ -89,6 +103,11 @@ def _node(n: NodeView, top: int) -> list[str]:
     width = 2 if n.lock_ref or n.state != "idle" else 1
     if n.lock_ref and n.state in ("idle", "split"):
         stroke = LOCK
+    host_only = n.host_only and n.state != "evicted"  # an evicted ghost is drawn as one
+    if host_only:
+        stroke, width, dash = HOST_ONLY[1], 2, ' stroke-dasharray="4,2"'
+        if n.state in ("idle", "split"):
+            fill = HOST_ONLY[0]
     ink = COLORS["evicted"][1] if n.state == "evicted" else "#222222"
     label = n.label
     hover = f"node {n.id}: {plural(n.num_tokens, 'token')}, lock_ref {n.lock_ref}, "
@@ -97,17 +116,29 @@ def _node(n: NodeView, top: int) -> list[str]:
         hover += f", extra_key {n.extra_key}"
     if label.forced:
         hover += f", {plural(label.num_forced, 'forced token')} (jump-forward)"
+    if n.tiers is not None:
+        hover += f", KV on {' + '.join(n.tiers)}"
+    if n.tier_marks:
+        hover += f" ({', '.join(n.tier_marks).replace('_', ' ')})"
     head = f"#{n.id}  {n.num_tokens} tok  t={n.last_access}"
     if n.state == "evicted":
         head = f"#{n.id}  evicted  {n.num_tokens} tok"
     elif n.state == "split":
         head = f"✂ {head}"
+    cls, data = n.state, ""
+    if n.tiers is not None:
+        cls += " host-only" if host_only else ""
+        data = f' data-tiers="{" ".join(n.tiers)}"'
+        if n.tier_marks:
+            data += f' data-marks="{" ".join(n.tier_marks)}"'
     out = [
-        f'<g class="node {n.state}" data-id="{n.id}">',
+        f'<g class="node {cls}" data-id="{n.id}"{data}>',
         f"<title>{escape(hover + chr(10) + label.full)}</title>",
         f'<rect x="{x}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="6" fill="{fill}" '
         f'stroke="{stroke}" stroke-width="{width}"{dash}/>',
     ]
+    if n.tiers is not None:
+        out += _chips(n, x, y)
     if label.images and label.images[0][0] == 0:
         out.append(f'<rect x="{x}" y="{y + 3}" width="4" height="{BOX_H - 6}" fill="{IMAGE}"/>')
     out.append(
@@ -137,6 +168,72 @@ def _node(n: NodeView, top: int) -> list[str]:
     return out
 
 
+def _chips(n: NodeView, x: int, y: int) -> list[str]:
+    """The tier chips on a box's top edge: dev and host always, disk once the node is there;
+    filled where the node's KV is, hollow where it is not."""
+    out = []
+    for i, tier in enumerate(("device", "host", "disk")):
+        on = tier in n.tiers
+        if tier == "disk" and not on:
+            continue
+        cx, cy = x + CHIP_X + i * (CHIP_W + CHIP_GAP), y + 1 - CHIP_H
+        fill, stroke, ink = (TIER_COLORS[tier], "none", "#ffffff") if on else FREE + ("#aaaaaa",)
+        out.append(
+            f'<g class="tier {tier}{" on" if on else ""}"><rect x="{cx}" y="{cy}" '
+            f'width="{CHIP_W}" height="{CHIP_H}" rx="3" fill="{fill}" stroke="{stroke}"/>'
+            f'<text x="{cx + CHIP_W // 2}" y="{cy + CHIP_H - 2}" text-anchor="middle" '
+            f'font-size="8" font-weight="bold" fill="{ink}">{CHIP_TEXT[tier]}</text></g>'
+        )
+    return out
+
+
+def _bars(start: int, length: int, top: int, fill: str, stroke: str, extra: str = "") -> list[str]:
+    """One bar per pool row that the run of cells covers, not one rect per cell: a pool of
+    hundreds of slots would otherwise make every frame's SVG tens of kilobytes."""
+    out, i, end = [], start, start + length
+    while i < end:
+        r, c = divmod(i, CELLS_PER_ROW)
+        n = min(end - i, CELLS_PER_ROW - c)
+        out.append(
+            f'<rect class="pool" x="{MARGIN + c * CELL_PITCH}" '
+            f'y="{top + r * CELL_PITCH}" width="{(n - 1) * CELL_PITCH + CELL}" '
+            f'height="{CELL}" fill="{fill}" stroke="{stroke}"{extra}/>'
+        )
+        i += n
+    return out
+
+
+def _pool_height(num_cells: int) -> int:
+    """The height of a pool panel: its heading, then its rows of cells."""
+    return 18 + -(-num_cells // CELLS_PER_ROW) * CELL_PITCH
+
+
+def _host_pool(frame: Frame, top: int) -> list[str]:
+    """The host pool of a cache with tiers, as the KV pool is drawn."""
+    pool, nodes = frame.host_pool, {n.id: n for n in frame.nodes}
+    used = {"copy": 0, "only": 0, "free": 0}
+    out = []
+    for start, length, owner in pool.runs:
+        node = nodes.get(owner) if owner is not None else None
+        extra = ""
+        if owner is None:
+            (fill, stroke), kind = FREE, "free"
+        elif node is not None and node.host_only:
+            (fill, stroke), kind = HOST_ONLY, "only"
+        else:
+            (fill, stroke), kind = HOST, "copy"
+        if node is not None and {"backed_up", "prefetched"} & set(node.tier_marks):
+            stroke, extra = TIER_NEW, ' stroke-width="2"'
+        used[kind] += length
+        out += _bars(start, length, top + 18, fill, stroke, extra)
+    unit = "slots" if pool.page_size == 1 else f"pages of {pool.page_size} tokens"
+    head = (
+        f"Host pool: {pool.num_cells} {unit}: {used['copy']} back up device nodes, "
+        f"{used['only']} hold host-only nodes, {used['free']} free"
+    )
+    return [f'<text x="{MARGIN}" y="{top + 12}" font-size="11">{escape(head)}</text>', *out]
+
+
 def _pool(frame: Frame, top: int) -> list[str]:
     pool = frame.pool
     states = {n.id: n for n in frame.nodes}
@@ -154,39 +251,43 @@ def _pool(frame: Frame, top: int) -> list[str]:
                 stroke = LOCK
             kind = "tree"
         used[kind] += length
-        # One bar per row that the run covers, not one rect per cell: a pool of hundreds of
-        # slots would otherwise make every frame's SVG tens of kilobytes.
-        i, end = start, start + length
-        while i < end:
-            r, c = divmod(i, CELLS_PER_ROW)
-            n = min(end - i, CELLS_PER_ROW - c)
-            out.append(
-                f'<rect class="pool" x="{MARGIN + c * CELL_PITCH}" '
-                f'y="{top + 18 + r * CELL_PITCH}" width="{(n - 1) * CELL_PITCH + CELL}" '
-                f'height="{CELL}" fill="{fill}" stroke="{stroke}"/>'
-            )
-            i += n
+        out += _bars(start, length, top + 18, fill, stroke)
     unit = "slots" if pool.page_size == 1 else f"pages of {pool.page_size} tokens"
+    name = "KV pool" if frame.host_pool is None else "Device KV pool"
     head = (
-        f"KV pool: {pool.num_cells} {unit}: {used['tree']} in the tree, "
+        f"{name}: {pool.num_cells} {unit}: {used['tree']} in the tree, "
         f"{used['request']} held by running requests, {used['free']} free"
     )
     return [f'<text x="{MARGIN}" y="{top + 12}" font-size="11">{escape(head)}</text>', *out]
 
 
-def _legend(y: int, forced: bool) -> list[str]:
+LEGEND_ROW = 16  # px between the legend's rows
+
+
+def _legend(y: int, forced: bool, tiered: bool = False) -> list[str]:
+    """The legend: one row, and a second one for the tiers of a cache with tiers."""
     items = [(s, *COLORS[s]) for s in ("added", "accessed", "split", "evicted", "idle")]
     items += [("locked", "#ffffff", LOCK), ("request", *REQUEST), ("free", *FREE)]
     if forced:  # only where a grammar forced tokens: other frames keep their legend
         items.append(("forced", FORCED, FORCED))
-    out, x = [], MARGIN
-    for name, fill, stroke in items:
-        dash = ' stroke-dasharray="3,2"' if name == "evicted" else ""
-        out.append(
-            f'<rect x="{x}" y="{y}" width="10" height="10" fill="{fill}" stroke="{stroke}" '
-            f'stroke-width="2"{dash}/><text x="{x + 14}" y="{y + 9}" font-size="10">{name}</text>'
-        )
-        x += 24 + 7 * len(name)
+    rows = [items]
+    if tiered:
+        tiers = [("host-only", *HOST_ONLY)]
+        where = {"device": "on device", "host": "in host pool", "disk": "on disk"}
+        tiers += [(f"{CHIP_TEXT[t]}: {where[t]}", c, c) for t, c in TIER_COLORS.items()]
+        rows.append(tiers)
+    out = []
+    for row in rows:
+        x = MARGIN
+        for name, fill, stroke in row:
+            dash = ' stroke-dasharray="3,2"' if name in ("evicted", "host-only") else ""
+            out.append(
+                f'<rect x="{x}" y="{y}" width="10" height="10" fill="{fill}" stroke="{stroke}" '
+                f'stroke-width="2"{dash}/><text x="{x + 14}" y="{y + 9}" font-size="10">'
+                f"{name}</text>"
+            )
+            x += 24 + 7 * len(name)
+        y += LEGEND_ROW
     return out
 
 
@@ -209,11 +310,12 @@ def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110
     cols = 1 + max(n.col for n in frame.nodes)
     rows = 1 + max(n.depth for n in frame.nodes)
     pool_top = top + rows * ROW_H
-    pool_rows = -(-frame.pool.num_cells // CELLS_PER_ROW)
     # A source without a pool (a vLLM server's KV events carry no slots) draws none.
-    legend_y = pool_top + (18 + pool_rows * CELL_PITCH + 10 if frame.pool.num_cells else 0)
+    host_top = pool_top + (_pool_height(frame.pool.num_cells) + 10 if frame.pool.num_cells else 0)
+    host_cells = frame.host_pool.num_cells if frame.host_pool is not None else 0
+    legend_y = host_top + (_pool_height(host_cells) + 10 if host_cells else 0)
     width = max(MARGIN * 2 + cols * COL_W, MARGIN * 2 + CELLS_PER_ROW * CELL_PITCH, 640)
-    height = legend_y + 10 + MARGIN
+    height = legend_y + 10 + MARGIN + (LEGEND_ROW if frame.host_pool is not None else 0)
     shown_w = min(width, MAX_WIDTH)
     shown_h = -(-height * shown_w // width)
     out = [
@@ -255,7 +357,10 @@ def frame_svg(frame: Frame, heading: str | None = None, caption_width: int = 110
         out += _node(n, top)
     if frame.pool.num_cells:
         out += _pool(frame, pool_top)
-    out += _legend(legend_y, any(n.label is not None and n.label.forced for n in frame.nodes))
+    if host_cells:
+        out += _host_pool(frame, host_top)
+    forced = any(n.label is not None and n.label.forced for n in frame.nodes)
+    out += _legend(legend_y, forced, frame.host_pool is not None)
     out.append("</svg>")
     return "\n".join(out)
 

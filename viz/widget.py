@@ -206,7 +206,8 @@ class RadixView(anywidget.AnyWidget):
         wire = [f.to_dict(memo) for f in frames]
         # Only the last frame's views can be reused by the next one: keep just those.
         last = frames[-1]
-        self._wire_memo = {id(o): memo[id(o)] for o in (*last.nodes, last.pool)}
+        kept = (*last.nodes, last.pool, *([last.host_pool] if last.host_pool else []))
+        self._wire_memo = {id(o): memo[id(o)] for o in kept}
         self.send(
             {
                 "kind": "append",

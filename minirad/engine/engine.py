@@ -32,13 +32,14 @@ pool takes both, and every tensor a step builds goes to the pool's device (the
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
 import reprlib
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -59,6 +60,9 @@ from minirad.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minirad.errors import GrammarError, InvalidArgumentError, InvariantError, RequestError
 from minirad.events import EventBus, JumpForwardEvent, StepEvent
 from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
+from minirad.kvcache.hicache_storage import HiCacheFile
+from minirad.kvcache.hiradix_cache import HiRadixCache
+from minirad.kvcache.host_pool import TensorTransfer, make_host_pool
 from minirad.kvcache.kv_pool import KVCache, TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache
 from minirad.models import PagedVLM, get_family, kv_cache_dims, load_model
@@ -101,6 +105,15 @@ class EngineConfig:
             more copy of those weights in memory for faster decode steps.
         cascade_attention: decodes that share a long prefix attend to it once
             (:mod:`minirad.models.cascade_attention`; vLLM's ``disable_cascade_attn`` off).
+        hicache_ratio: give the radix tree a host tier this many times the KV pool
+            (:class:`~minirad.kvcache.hiradix_cache.HiRadixCache`, SGLang's
+            ``--enable-hierarchical-cache --hicache-ratio``; 2 is SGLang's default). None: no
+            tiers, a plain :class:`~minirad.kvcache.radix_cache.RadixCache`.
+        hicache_write_policy: when the host gets a copy: ``"write_through"`` (every insert),
+            ``"write_through_selective"`` (once hot), ``"write_back"`` (on eviction).
+        hicache_storage_dir: a folder for the disk tier (one safetensors file per page,
+            :class:`~minirad.kvcache.hicache_storage.HiCacheFile`), shared by every engine
+            of the same model that names it; needs ``hicache_ratio``. None: no disk tier.
     """
 
     num_kv_slots: int = 4096
@@ -121,6 +134,9 @@ class EngineConfig:
     device: str | torch.device | None = None
     prepack_weights: bool = True
     cascade_attention: bool = True
+    hicache_ratio: float | None = None
+    hicache_write_policy: str = "write_through"
+    hicache_storage_dir: str | os.PathLike | None = None
 
 
 @dataclass
@@ -132,7 +148,9 @@ class EngineStats:
     ``queried_tokens`` the prompt tokens looked up in the tree at first admissions (the hit
     rate's denominator: vLLM's ``prefix_cache_queries``, ``cached_tokens`` its hits);
     ``encoder_calls`` / ``encoder_hits`` vision-tower runs and runs the encoder cache saved;
-    ``forced_tokens`` the output tokens jump-forward appended (decode steps they did not need).
+    ``forced_tokens`` the output tokens jump-forward appended (decode steps they did not need);
+    ``cached_tokens_by_source`` ``cached_tokens`` by tier (``device``, ``host``, ``storage``;
+    see ``RequestStats``).
     """
 
     num_steps: int = 0
@@ -146,6 +164,7 @@ class EngineStats:
     encoder_calls: int = 0
     encoder_hits: int = 0
     forced_tokens: int = 0
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
 
 
 def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfig:
@@ -154,6 +173,17 @@ def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfi
     if unknown := set(overrides) - known:
         raise InvalidArgumentError(f"unknown engine settings {sorted(unknown)}")
     return replace(config or EngineConfig(), **overrides)
+
+
+def _check_hicache(cfg: EngineConfig) -> None:
+    """The tier settings' types (their values are checked where they are used)."""
+    ratio, folder = cfg.hicache_ratio, cfg.hicache_storage_dir
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float)):
+        raise InvalidArgumentError(f"hicache_ratio must be a number or None, got {ratio!r}")
+    if folder is not None and not isinstance(folder, str | os.PathLike):
+        raise InvalidArgumentError(f"hicache_storage_dir must be a path or None, got {folder!r}")
+    if folder is not None and ratio is None:
+        raise InvalidArgumentError("hicache_storage_dir needs hicache_ratio (a host tier)")
 
 
 # Accelerator backends a device string may name, each a torch module with ``is_available()``
@@ -263,7 +293,7 @@ class LLMEngine:
         self.vocab_size = text_config.vocab_size  # logit columns
         self.bus = bus if bus is not None else EventBus()
         self.allocator = TokenToKVPoolAllocator(cfg.num_kv_slots, cfg.page_size, self.bus)
-        self.tree_cache = RadixCache(cfg.page_size, cfg.eviction_policy, self.allocator, self.bus)
+        _check_hicache(cfg)
         self.encoder_cache = EncoderCache(cfg.encoder_cache_size)
         scheduler_config = self._scheduler_config()
         get_family(model.config)  # every check before the caller's model moves
@@ -280,6 +310,8 @@ class LLMEngine:
             device=self.device,
             **kv_cache_dims(model.config),
         )
+        self.host_kv_cache: KVCache | None = None
+        self.tree_cache = self._make_tree_cache(model)
         # After the move: the decoder keeps the model's tensors (RoPE's inv_freq, the packed
         # weight copies of minirad.models.linear), which a later model.to() would not move.
         self.vlm = PagedVLM(
@@ -306,6 +338,38 @@ class LLMEngine:
         if cfg.kv_events_endpoint is not None:
             self._start_kv_events()
 
+    def _make_tree_cache(self, model) -> RadixCache:
+        """The radix tree; with ``hicache_ratio``, over a host KV cache in CPU memory (and a
+        disk tier in ``hicache_storage_dir``), copies through real tensors."""
+        cfg = self.config
+        if cfg.hicache_ratio is None:
+            return RadixCache(cfg.page_size, cfg.eviction_policy, self.allocator, self.bus)
+        host_pool = make_host_pool(self.allocator, cfg.hicache_ratio)
+        kv = self.kv_cache
+        self.host_kv_cache = KVCache(
+            num_blocks=host_pool.num_pages,
+            block_size=cfg.page_size,
+            dtype=self.dtype,
+            **kv_cache_dims(model.config),
+        )
+        storage, fingerprint = None, ""
+        if cfg.hicache_storage_dir is not None:
+            # Pages are for this model, dtype and layout only: another model's files miss.
+            layout = f"{model.config.to_json_string()}|{self.dtype}|{kv.num_kv_heads}x{kv.head_dim}"
+            fingerprint = hashlib.sha256(layout.encode()).hexdigest()[:32]
+            storage = HiCacheFile(cfg.hicache_storage_dir, fingerprint)
+        return HiRadixCache(
+            cfg.page_size,
+            cfg.eviction_policy,
+            self.allocator,
+            self.bus,
+            host_pool=host_pool,
+            write_policy=cfg.hicache_write_policy,
+            transfer=TensorTransfer(kv, self.host_kv_cache),
+            storage=storage,
+            storage_namespace=fingerprint if storage is not None else "",
+        )
+
     def _scheduler_config(self) -> SchedulerConfig:
         cfg = self.config
         return SchedulerConfig(
@@ -327,6 +391,8 @@ class LLMEngine:
         self.kv_events = RadixBlockEvents(
             self.bus,
             block_size=cfg.kv_events_block_size,
+            # With tiers, the device is vLLM's "GPU" and the host pool its "CPU" (offloading).
+            medium="CPU" if cfg.hicache_ratio is None else "GPU",
             image_token_id=self.vlm.image_token_id,
             vocab_size=self.vocab_size,
         )
@@ -791,6 +857,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             encoder_calls=self.encoder_cache.num_encoder_calls,
             encoder_hits=self.encoder_cache.num_hits,
+            cached_tokens_by_source=dict(self.scheduler.cached_tokens_by_source),
         )
 
     def check_invariants(self) -> None:
@@ -821,6 +888,9 @@ class LLMEngine:
             self.kv_events.close()
             self.kv_event_publisher.close()
             self.kv_events = self.kv_event_publisher = None
+        storage = getattr(self.tree_cache, "storage", None)
+        if storage is not None:  # the pages written behind reach the disk
+            storage.flush()
 
     def __repr__(self) -> str:
         c = self.config

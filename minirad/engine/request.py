@@ -146,6 +146,10 @@ class RequestStats:
         forced_tokens: output tokens its grammar forced and jump-forward appended without a
             decode step each (they are computed in the next prefill chunk; counted in
             ``prefill_tokens`` then).
+        cached_tokens_by_source: ``cached_tokens`` by the tier they came from: ``device``
+            (the radix tree's device pool), ``host`` (loaded back from the host pool),
+            ``storage`` (read from the disk tier, then loaded back); the three add up to
+            ``cached_tokens``. Only ``device`` without tiers.
     """
 
     prompt_tokens: int = 0
@@ -156,6 +160,7 @@ class RequestStats:
     num_preemptions: int = 0
     cached_forced_tokens: int = 0
     forced_tokens: int = 0
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
 
 
 class Request(Req):

@@ -170,6 +170,8 @@ class Scheduler:
         self.num_cached_tokens = 0  # prompt tokens found in the tree, first admissions only
         self.num_queried_tokens = 0  # prompt tokens looked up there, first admissions only
         self.num_preempted_cached_tokens = 0  # tokens readmitted requests found again
+        self.cached_tokens_by_source: dict[str, int] = {}  # num_cached_tokens by tier
+        self.tiers = getattr(tree_cache, "host_pool", None) is not None  # a HiRadixCache
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -313,6 +315,10 @@ class Scheduler:
         request.stats.cached_forced_tokens = found - hits
         self.num_cached_tokens += hits
         self.num_queried_tokens += request.num_prompt_tokens
+        by_source = _by_source(request, hits) if self.tiers else {"device": hits}
+        request.stats.cached_tokens_by_source = by_source
+        for source, n in by_source.items():
+            self.cached_tokens_by_source[source] = self.cached_tokens_by_source.get(source, 0) + n
 
     def _add_scheduled(
         self, out: SchedulerOutput, request: Request, n: int, in_batch: RadixCache | None
@@ -492,3 +498,12 @@ class Scheduler:
                 f"{used} pages allocated, but the tree holds {len(tree_pages)} and running "
                 f"requests {len(private)}"
             )
+
+
+def _by_source(request: Request, hits: int) -> dict[str, int]:
+    """The first ``hits`` matched tokens by tier: the device's come first on the path, then
+    the host's, then the disk's (SGLang's ``host_hit_length``, ``storage_hit_length``)."""
+    storage, host = request.storage_hit_length, request.host_hit_length
+    device = min(hits, request.cache_protected_len - host - storage)
+    host = min(hits - device, host)
+    return {"device": device, "host": host, "storage": hits - device - host}

@@ -38,10 +38,15 @@ from typing import Any
 
 from minirad.errors import InvalidArgumentError, KVEventError
 from minirad.events import (
+    BackupEvent,
+    DemoteEvent,
     Event,
     EventBus,
     EvictEvent,
+    HostEvictEvent,
     InsertEvent,
+    LoadBackEvent,
+    PrefetchEvent,
     ResetEvent,
     SplitEvent,
     StepEvent,
@@ -615,7 +620,10 @@ class RadixBlockEvents:
         block_size: tokens per published block (vLLM's ``block_size``; 32 on its CPU
             backend, :data:`~minirad.peers.vllm_env.VLLM_BLOCK_SIZE`).
         hash_seed: seeds the hash chain (:func:`~minirad.kvcache.block_pool.none_hash`).
-        medium: the ``medium`` field of every event.
+        medium: the ``medium`` of the device tier's events.
+        host_medium: the ``medium`` of the host tier's (a HiRadixCache's backups, host
+            evictions and prefetches; its disk backups say ``"STORAGE"``). With tiers, give
+            the device ``"GPU"``, as vLLM's offloading does, so that the two differ.
         image_token_id: the model's image placeholder id, with ``vocab_size``. Without them
             the key's ids go out as they are, pad ids included: fine in-process, but a pad id
             has more than 64 bits and msgpack, so the ZMQ wire, carries 64.
@@ -633,6 +641,7 @@ class RadixBlockEvents:
         block_size: int = VLLM_BLOCK_SIZE,
         hash_seed: int | str = 0,
         medium: str = "CPU",
+        host_medium: str = "CPU",
         image_token_id: int | None = None,
         vocab_size: int | None = None,
     ) -> None:
@@ -643,7 +652,7 @@ class RadixBlockEvents:
         self.image_token_id, self.vocab_size = image_token_id, vocab_size
         self.sink = sink
         self.block_size = block_size
-        self.medium = medium
+        self.medium, self.host_medium = medium, host_medium
         self.pending: list = []
         self._root_hash = none_hash(hash_seed)
         self._clear()
@@ -684,10 +693,26 @@ class RadixBlockEvents:
         elif isinstance(e, SplitEvent):
             self.tree.apply(e)
             self._on_split(e)
-        elif isinstance(e, EvictEvent):
+        elif isinstance(e, EvictEvent | HostEvictEvent):
             self.tree.apply(e)
             self.tree.release()  # evicted nodes are kept for drawing; we never draw them
-            self._on_evict(e.node_id)
+            host = isinstance(e, HostEvictEvent)
+            self._on_evict(e.node_id, self.host_medium if host else self.medium)
+        elif isinstance(e, BackupEvent):
+            self.tree.apply(e)
+            medium = self.host_medium if e.medium == "CPU" else e.medium
+            for node in e.node_ids:
+                self._store(node, medium)
+        elif isinstance(e, DemoteEvent):
+            self.tree.apply(e)
+            self._remove(e.node_id, self.medium)
+        elif isinstance(e, LoadBackEvent):
+            self.tree.apply(e)
+            for node in e.node_ids:
+                self._store(node, self.medium)
+        elif isinstance(e, PrefetchEvent):
+            self.tree.apply(e)
+            self._add(e.node_id, e.parent_id, len(e.key), self.host_medium)
         elif isinstance(e, ResetEvent) and e.source == RESET_SOURCE:
             self._clear()
             self.pending.append(AllBlocksCleared())
@@ -696,36 +721,59 @@ class RadixBlockEvents:
             self.flush()
 
     def _on_insert(self, e: InsertEvent) -> None:
-        bs, leaf, parent = self.block_size, e.node_id, e.parent_id
-        start = self._end[parent]
-        end = self._end[leaf] = start + len(e.key)
-        first, stop = start // bs, end // bs  # blocks first .. stop-1 end inside this leaf
-        digest = self._chain[parent]
-        owned: list[tuple[int, bytes]] = []
-        if stop > first:
-            # Plain ints: a numpy scalar in a key pickles, so hashes, differently (tokens.py).
-            tokens = [int(t) for t in self._tail(parent, start - first * bs) + list(e.key)]
-            tokens, images = self._unpad(tokens[: (stop - first) * bs], first * bs, parent)
-            extra_keys = []
-            for j in range(first, stop):
-                extra = block_extra_keys(j * bs, (j + 1) * bs, images, e.extra_key)
-                block = tokens[(j - first) * bs : (j - first + 1) * bs]
-                digest = hash_block_tokens(digest, block, extra)
-                owned.append(((j + 1) * bs, digest))
-                extra_keys.append(list(extra) if extra else None)
-            parent_hash = None if first == 0 else block_hash_u64(self._chain[parent])
-            self.pending.append(
-                BlockStored(
-                    block_hashes=[block_hash_u64(d) for _, d in owned],
-                    parent_block_hash=parent_hash,
-                    token_ids=tokens,
-                    block_size=bs,
-                    medium=self.medium,
-                    extra_keys=extra_keys if any(extra_keys) else None,
-                )
+        self._add(e.node_id, e.parent_id, len(e.key), self.medium)
+
+    def _add(self, node: int, parent: int, length: int, medium: str) -> None:
+        """A new node of ``length`` tokens under ``parent``: its blocks, stored in ``medium``."""
+        self._end[node] = self._end[parent] + length
+        self._owned[node] = owned = self._blocks(node)[0]
+        self._chain[node] = owned[-1][1] if owned else self._chain[parent]
+        self._store(node, medium)
+
+    def _blocks(self, node: int) -> tuple[list[tuple[int, bytes]], list[int], list]:
+        """The blocks that end inside ``node``'s edge: (end position, digest) pairs, vLLM's
+        token ids for them, and their extra keys (None where a block has none)."""
+        bs, v = self.block_size, self.tree.nodes[node]
+        end = self._end[node]
+        start = end - len(v.key)
+        first, stop = start // bs, end // bs  # blocks first .. stop-1 end inside this edge
+        if stop <= first:
+            return [], [], []
+        # Plain ints: a numpy scalar in a key pickles, so hashes, differently (tokens.py).
+        tokens = [int(t) for t in self._tail(v.parent, start - first * bs) + list(v.key)]
+        tokens, images = self._unpad(tokens[: (stop - first) * bs], first * bs, v.parent)
+        digest, owned, extra_keys = self._chain[v.parent], [], []
+        for j in range(first, stop):
+            extra = block_extra_keys(j * bs, (j + 1) * bs, images, v.extra_key)
+            block = tokens[(j - first) * bs : (j - first + 1) * bs]
+            digest = hash_block_tokens(digest, block, extra)
+            owned.append(((j + 1) * bs, digest))
+            extra_keys.append(list(extra) if extra else None)
+        return owned, tokens, extra_keys
+
+    def _store(self, node: int, medium: str) -> None:
+        """Publish the blocks that end in ``node`` as stored in ``medium``."""
+        owned, tokens, extra_keys = self._blocks(node)
+        if not owned:
+            return
+        v = self.tree.nodes[node]
+        first = (self._end[node] - len(v.key)) // self.block_size
+        self.pending.append(
+            BlockStored(
+                block_hashes=[block_hash_u64(d) for _, d in owned],
+                parent_block_hash=None if first == 0 else block_hash_u64(self._chain[v.parent]),
+                token_ids=tokens,
+                block_size=self.block_size,
+                medium=medium,
+                extra_keys=extra_keys if any(extra_keys) else None,
             )
-        self._owned[leaf] = owned
-        self._chain[leaf] = digest
+        )
+
+    def _remove(self, node: int, medium: str) -> None:
+        """Publish the blocks that end in ``node`` as removed from ``medium``, last first."""
+        if owned := self._owned[node]:
+            hashes = [block_hash_u64(d) for _, d in reversed(owned)]
+            self.pending.append(BlockRemoved(block_hashes=hashes, medium=medium))
 
     def _unpad(
         self, ids: list[int], start: int, parent: int
@@ -775,9 +823,6 @@ class RadixBlockEvents:
         kept = self._owned[prefix]
         self._chain[prefix] = kept[-1][1] if kept else self._chain[self.tree.nodes[prefix].parent]
 
-    def _on_evict(self, leaf: int) -> None:
-        owned = self._owned.pop(leaf)
-        del self._end[leaf], self._chain[leaf]
-        if owned:
-            hashes = [block_hash_u64(d) for _, d in reversed(owned)]
-            self.pending.append(BlockRemoved(block_hashes=hashes, medium=self.medium))
+    def _on_evict(self, leaf: int, medium: str) -> None:
+        self._remove(leaf, medium)
+        del self._owned[leaf], self._end[leaf], self._chain[leaf]

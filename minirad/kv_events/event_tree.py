@@ -15,6 +15,12 @@ The rules are those of :class:`minirad.kvcache.radix_cache.RadixCache` (after SG
   ``lock_ref``;
 - evict removes a leaf; a cache reset evicts every node.
 
+and those of :class:`minirad.kvcache.hiradix_cache.HiRadixCache`'s tiers:
+
+- backup gives nodes a host copy (``host_value``) or marks them ``on_disk``;
+- demote drops a node's device slots (it stays, host-only); load-back gives them back;
+- evict_host removes a host-only leaf; prefetch adds one, read from disk.
+
 An evicted node is kept, as it was when it left, in :attr:`EventTree.evicted` and in its
 parent's ``children``, until :meth:`EventTree.release`: a drawing can then still show it where
 it was.
@@ -25,11 +31,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minirad.events import (
+    BackupEvent,
+    DemoteEvent,
     Event,
     EvictEvent,
+    HostEvictEvent,
     InsertEvent,
+    LoadBackEvent,
     LockEvent,
     MatchEvent,
+    PrefetchEvent,
     ResetEvent,
     SplitEvent,
     UnlockEvent,
@@ -52,6 +63,8 @@ class EventNode:
         lock_ref: running requests whose path passes through the node.
         last_access: logical time of the last match or insert that walked it.
         extra_key: the insert's ``extra_key`` (e.g. a LoRA or image-set key), or None.
+        host_value: the host slots of the node's copy in the host pool, or None.
+        on_disk: its pages were written to the disk tier.
     """
 
     id: int
@@ -62,6 +75,14 @@ class EventNode:
     lock_ref: int = 0
     last_access: int = 0
     extra_key: str | None = None
+    host_value: tuple[int, ...] | None = None
+    on_disk: bool = False
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Where its KV is: some of ``"device"``, ``"host"``, ``"disk"``, in that order."""
+        on = (bool(self.value) or not self.key, self.host_value is not None, self.on_disk)
+        return tuple(t for t, o in zip(("device", "host", "disk"), on, strict=True) if o)
 
 
 class EventTree:
@@ -107,7 +128,11 @@ class EventTree:
                 prefix.lock_ref,
                 event.time,
                 prefix.extra_key,
+                None if prefix.host_value is None else prefix.host_value[m:],
+                prefix.on_disk,
             )
+            if prefix.host_value is not None:
+                prefix.host_value = prefix.host_value[:m]
             for c in suffix.children:  # a child may be a ghost not yet released
                 (self.nodes.get(c) or self.evicted[c]).parent = suffix.id
             prefix.key, prefix.value = prefix.key[:m], prefix.value[:m]
@@ -117,8 +142,35 @@ class EventTree:
         elif isinstance(event, LockEvent | UnlockEvent):
             for i, ref in zip(event.node_ids, event.lock_refs, strict=True):
                 self.nodes[i].lock_ref = ref
-        elif isinstance(event, EvictEvent):
+        elif isinstance(event, EvictEvent | HostEvictEvent):
             self._evict(event.node_id)
+        elif isinstance(event, BackupEvent):
+            host = iter(event.host_value)
+            for i in event.node_ids:
+                node = self.nodes[i]
+                if event.medium == "STORAGE":
+                    node.on_disk = True
+                else:
+                    node.host_value = tuple(next(host) for _ in node.key)
+        elif isinstance(event, DemoteEvent):
+            self.nodes[event.node_id].value = ()
+        elif isinstance(event, LoadBackEvent):
+            device = iter(event.value)
+            for i in event.node_ids:
+                node = self.nodes[i]
+                node.value = tuple(next(device) for _ in node.key)
+                node.last_access = event.time
+        elif isinstance(event, PrefetchEvent):
+            self.nodes[event.node_id] = EventNode(
+                event.node_id,
+                event.parent_id,
+                event.key,
+                last_access=event.time,
+                extra_key=event.extra_key,
+                host_value=event.host_value,
+                on_disk=True,
+            )
+            self.nodes[event.parent_id].children.append(event.node_id)
         elif isinstance(event, ResetEvent) and event.source == RESET_SOURCE:
             for i in [i for i in self.nodes if i != 0]:
                 self._evict(i)

@@ -32,8 +32,17 @@ from typing import NamedTuple
 import numpy as np
 
 from minirad.errors import InvalidArgumentError, InvariantError, LockError
-from minirad.events import EventBus, EvictEvent
+from minirad.events import (
+    BackupEvent,
+    DemoteEvent,
+    EventBus,
+    EvictEvent,
+    HostEvictEvent,
+    LoadBackEvent,
+    PrefetchEvent,
+)
 from minirad.kvcache.eviction import EvictionPolicy
+from minirad.kvcache.hicache_storage import HiCacheStorage, page_hashes
 from minirad.kvcache.host_pool import (
     DEFAULT_HICACHE_RATIO,
     KVTransfer,
@@ -41,7 +50,13 @@ from minirad.kvcache.host_pool import (
     make_host_pool,
 )
 from minirad.kvcache.kv_pool import PAGE_CACHED, PAGE_FREE, TokenToKVPoolAllocator
-from minirad.kvcache.radix_cache import MatchResult, RadixCache, TreeNode, _check_extra_key
+from minirad.kvcache.radix_cache import (
+    MatchResult,
+    RadixCache,
+    Req,
+    TreeNode,
+    _check_extra_key,
+)
 from minirad.kvcache.tokens import checked_token_ids
 
 __all__ = ["WRITE_POLICIES", "HiMatchResult", "HiRadixCache", "HiTreeNode"]
@@ -55,14 +70,16 @@ class HiTreeNode(TreeNode):
     Attributes:
         host_value: host slots holding a copy of this edge's KV (one per token), or None.
         host_lock_ref: operations (a load-back) that need the host copy to stay.
+        on_disk: the storage pages that end in this edge are written to the disk tier.
     """
 
-    __slots__ = ("host_value", "host_lock_ref")
+    __slots__ = ("host_value", "host_lock_ref", "on_disk")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.host_value: list[int] | None = None
         self.host_lock_ref = 0
+        self.on_disk = False
 
     @property
     def backuped(self) -> bool:
@@ -83,12 +100,15 @@ class HiMatchResult(NamedTuple):
         host_hit_length: matched tokens past it that only the host holds.
         last_host_node: the deepest matched node (``last_node`` when nothing is host-only);
             :meth:`HiRadixCache.load_back` takes it.
+        storage_hit_length: tokens past ``last_host_node`` that the disk tier holds (whole
+            storage pages); :meth:`HiRadixCache.prefetch_from_storage` reads them to the host.
     """
 
     indices: list[int]
     last_node: TreeNode
     host_hit_length: int
     last_host_node: TreeNode
+    storage_hit_length: int = 0
 
 
 class HiRadixCache(RadixCache):
@@ -103,6 +123,13 @@ class HiRadixCache(RadixCache):
         write_through_threshold: matches that make ``write_through_selective`` back a node up.
         load_back_threshold: fewer host-only tokens than this are not loaded back.
         transfer: performs the copies (default: :class:`NoTransfer`).
+        storage: the disk tier (L3), or None. Backed-up paths are written to it page by page;
+            :meth:`match_prefix_for_req` reads the pages that follow a match back to the host.
+        storage_page_size: tokens per storage page (a multiple of ``page_size``; default the
+            smallest multiple >= 32, vLLM's CPU block size): one file per page.
+        storage_namespace: goes into every page hash, so that caches of different models
+            sharing a folder never share (or overwrite) pages (the engine gives its model's
+            fingerprint).
     """
 
     node_class = HiTreeNode
@@ -120,6 +147,9 @@ class HiRadixCache(RadixCache):
         write_through_threshold: int = 2,
         load_back_threshold: int = 10,
         transfer: KVTransfer | None = None,
+        storage: HiCacheStorage | None = None,
+        storage_page_size: int | None = None,
+        storage_namespace: str = "",
     ) -> None:
         if not isinstance(token_to_kv_pool_allocator, TokenToKVPoolAllocator):
             raise InvalidArgumentError("HiRadixCache needs a device TokenToKVPoolAllocator")
@@ -147,6 +177,23 @@ class HiRadixCache(RadixCache):
         self.write_through_threshold = write_through_threshold if selective else 1
         self.load_back_threshold = load_back_threshold
         self.transfer: KVTransfer = transfer if transfer is not None else NoTransfer()
+        if storage_page_size is None:
+            storage_page_size = -(-32 // page_size) * page_size
+        if (
+            type(storage_page_size) is not int
+            or storage_page_size <= 0
+            or (storage_page_size % page_size)
+        ):
+            raise InvalidArgumentError(
+                f"storage_page_size must be a positive multiple of page_size {page_size}, "
+                f"got {storage_page_size!r}"
+            )
+        if not isinstance(storage_namespace, str):
+            raise InvalidArgumentError(
+                f"storage_namespace must be a str, got {storage_namespace!r}"
+            )
+        self.storage, self.storage_page_size = storage, storage_page_size
+        self.storage_namespace = storage_namespace
         super().__init__(page_size, eviction_policy, token_to_kv_pool_allocator, bus)
 
     # ------------------------------------------------------------------ hooks
@@ -160,6 +207,7 @@ class HiRadixCache(RadixCache):
         new = super()._split_node(child, m, t)
         if child.host_value is not None:
             new.host_value, child.host_value = child.host_value[:m], child.host_value[m:]
+        new.on_disk = child.on_disk
         return new
 
     def _maybe_device_leaf(self, node: TreeNode) -> None:
@@ -198,8 +246,38 @@ class HiRadixCache(RadixCache):
         and how many tokens past it the host holds (and the node that ends them)."""
         key, buf = checked_token_ids(key, "key")
         _check_extra_key(extra_key)
-        indices, device, node = self._match_all(self._aligned(key), buf, extra_key, hit=True)
-        return HiMatchResult(indices, device, node.depth - device.depth, node)
+        key = self._aligned(key)
+        indices, device, node = self._match_all(key, buf, extra_key, hit=True)
+        stored = self._storage_hit(key, extra_key, node.depth)[0] if self.storage else 0
+        return HiMatchResult(indices, device, node.depth - device.depth, node, stored)
+
+    def match_prefix_for_req(self, req: Req, max_prefix_len: int | None = None) -> list[int]:
+        """:meth:`RadixCache.match_prefix_for_req` over the tiers: what the disk holds past the
+        tree is prefetched to the host, then what the host holds past the device is loaded
+        back (if not under ``load_back_threshold``), and the request locks it all. Sets
+        ``req.host_hit_length`` and ``req.storage_hit_length`` (SGLang's names): how many of
+        the matched tokens came from the host, and from the disk (through the host)."""
+        indices = super().match_prefix_for_req(req, max_prefix_len)
+        req.host_hit_length = req.storage_hit_length = 0
+        fill, buf = req.checked_fill_ids()
+        cap = (
+            max(len(fill) - 1, 0) if max_prefix_len is None else min(len(fill) - 1, max_prefix_len)
+        )
+        key = self._aligned(fill[: max(cap, 0)])
+        _, device, node = self._match_all(key, buf, req.extra_key, hit=False)
+        stored = 0
+        if self.storage is not None:
+            node, stored = self.prefetch_from_storage(key, req.extra_key, node)
+        if node is device:
+            return indices
+        loaded = self.load_back(node)
+        if not loaded:
+            return indices
+        indices = indices + loaded
+        self._hold(req, node, indices, list(indices))
+        req.storage_hit_length = min(stored, len(loaded))
+        req.host_hit_length = len(loaded) - req.storage_hit_length
+        return indices
 
     def cached_prefix_len(self, key: Sequence[int], extra_key: str | None = None) -> int:
         """Tokens of ``key`` on the device (read only; host-only tokens not counted)."""
@@ -227,12 +305,14 @@ class HiRadixCache(RadixCache):
             self._new_slots(value, slots, d, len(key), allocated)  # checks only
             if cut and walked[-1].evicted:
                 walked[-1] = self._split_node(walked[-1], cut, self.bus.tick())
-            start = 0
+            start, revived = 0, []
             for n in walked:
                 end = start + len(n.key)
                 if n.evicted:
                     self._set_device(n, value[start:end], slots[start:end].copy())
+                    revived.append(n)
                 start = end
+            self._record(LoadBackEvent, self.bus.time, revived, value[d:i], True)
             allocated = True  # value[i:] was checked above
         super()._insert(key, buf, value, slots, extra_key, priority, inserted_len, allocated)
         if self.write_policy == "write_through" and key:
@@ -268,6 +348,9 @@ class HiRadixCache(RadixCache):
             device += n.value
             start += len(n.key)
         self.transfer.write_backup(device, host)
+        self._record(BackupEvent, self.bus.time, path, host, "CPU")
+        if self.storage is not None:
+            self._backup_storage(path[-1])
         return True
 
     def _alloc_host(self, num_tokens: int) -> list[int] | None:
@@ -277,6 +360,102 @@ class HiRadixCache(RadixCache):
         if pool.available_size() < num_tokens:
             return None
         return pool.alloc(num_tokens)
+
+    # ------------------------------------------------------------------ storage (L3)
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        while node is not self.root_node:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def _page_hashes(self, key: list[int], extra_key: str | None) -> list[str]:
+        """The chained hashes of ``key``'s whole storage pages, in this cache's namespace."""
+        if self.storage_namespace:
+            extra_key = f"{self.storage_namespace}|{extra_key or ''}"
+        return page_hashes(key, self.storage_page_size, extra_key)
+
+    def _backup_storage(self, node: TreeNode) -> None:
+        """Write the storage pages that end on the path to ``node`` (backed up) and are not
+        on disk yet: each page's KV read from its host slots, keyed by its chained hash."""
+        path = self._path(node)
+        todo = [n for n in path if not n.on_disk]
+        if not todo:
+            return
+        key = [t for n in path for t in n.key]
+        host = [s for n in path for s in n.host_value]
+        ps = self.storage_page_size
+        hashes = self._page_hashes(key, path[0].extra_key)
+        written, start = [], 0
+        for n in path:
+            end = start + len(n.key)
+            pages = range(start // ps, end // ps)  # pages ending inside this edge
+            if not n.on_disk and pages:
+                for j in pages:
+                    self.storage.set(
+                        hashes[j], self.transfer.read_host(host[j * ps : (j + 1) * ps])
+                    )
+                n.on_disk = True
+                written.append(n)
+            start = end
+        if written:
+            self._record(BackupEvent, self.bus.time, written, [], "STORAGE")
+
+    def _storage_hit(self, key: list[int], extra_key, depth: int) -> tuple[int, list[str], int]:
+        """Tokens of ``key`` past ``depth`` (the tree's match) that whole stored pages hold,
+        the hashes of those pages, and the index of the first."""
+        ps = self.storage_page_size
+        first = depth // ps
+        hashes = self._page_hashes(key, extra_key)[first:]
+        n = self.storage.exists(hashes) if hashes else 0
+        return max((first + n) * ps - depth, 0), hashes[:n], first
+
+    def prefetch_from_storage(
+        self, key: Sequence[int], extra_key: str | None = None, node: TreeNode | None = None
+    ) -> tuple[TreeNode, int]:
+        """Read the stored pages that follow the tree's match of ``key`` into new host slots,
+        as one new host-only leaf (SGLang's ``prefetch_from_storage``, here synchronous).
+        A page that cannot be read (missing, corrupt) ends the run: what follows is a miss.
+
+        Args:
+            node: the deepest node matching ``key`` (found again if None).
+
+        Returns:
+            the deepest matched node afterwards, and the tokens read from disk.
+        """
+        if self.storage is None:
+            return (node or self.root_node), 0
+        if node is None:
+            key, buf = checked_token_ids(key, "key")
+            _check_extra_key(extra_key)
+            key = self._aligned(key)
+            node = self._match_all(key, buf, extra_key, hit=False)[2]
+        depth = node.depth
+        _, hashes, first = self._storage_hit(list(key), extra_key, depth)
+        pages = []
+        for h in hashes:
+            data = self.storage.get(h)
+            if data is None or not self.transfer.accepts(data):
+                break  # a miss from here on: never KV of the wrong shape
+            pages.append(data)
+        end = (first + len(pages)) * self.storage_page_size
+        if end <= depth or (node is not self.root_node and not self._write_backup(node)):
+            return node, 0  # a host-only leaf needs a backed-up parent (backups are a prefix)
+        node.host_lock_ref += 1  # making room on the host must not evict the parent
+        try:
+            host = self._alloc_host(end - depth)
+        finally:
+            node.host_lock_ref -= 1
+        if host is None:
+            return node, 0
+        self.transfer.write_host(host, pages, depth - first * self.storage_page_size)
+        t = self.bus.tick()
+        leaf = self._new_node(list(key[depth:end]), [], node, t, extra_key)
+        leaf.value_buf = np.empty(0, dtype=np.int64)
+        leaf.host_value, leaf.on_disk = host, True
+        node.children[self._child_key(leaf.key, 0, extra_key)] = leaf
+        self._record(PrefetchEvent, t, leaf)
+        return leaf, end - depth
 
     # ------------------------------------------------------------------ eviction
     def evict(self, num_tokens: int) -> list[int]:
@@ -295,7 +474,7 @@ class HiRadixCache(RadixCache):
         while len(freed) < num_tokens and (leaf := self._pop_evictable()) is not None:
             if self.write_policy == "write_back" and not leaf.backuped:
                 self._write_backup(leaf)
-            self._record(EvictEvent, t, leaf)
+            self._record(DemoteEvent if leaf.backuped else EvictEvent, t, leaf)
             freed += leaf.value
             bufs.append(leaf.value_buf)
             parent = leaf.parent
@@ -322,8 +501,10 @@ class HiRadixCache(RadixCache):
         heap = [(n.last_access_time, n.id, n) for n in self.nodes() if self._host_leaf(n)]
         heapq.heapify(heap)
         freed: list[int] = []
+        t = self.bus.tick() if heap else self.bus.time
         while len(freed) < num_tokens and heap:
             node = heapq.heappop(heap)[2]
+            self._record(HostEvictEvent, t, node)
             freed += node.host_value
             parent = node.parent
             del parent.children[self._child_key(node.key, 0, node.extra_key)]
@@ -383,6 +564,7 @@ class HiRadixCache(RadixCache):
             end = start + len(n.key)
             self._set_device(n, device[start:end], buf[start:end].copy())
             start = end
+        self._record(LoadBackEvent, self.bus.tick(), path, device, False)
         return device
 
     def _alloc_device(self, num_tokens: int) -> list[int] | None:

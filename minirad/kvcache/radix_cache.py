@@ -215,6 +215,8 @@ class Req:
         cache_inserted_len: how many leading tokens this request has inserted into the tree
             (SGLang's ``cache_inserted_len``): its later inserts do not count them again in
             ``insert_count``.
+        host_hit_length, storage_hit_length: of the matched tokens, those a hierarchical
+            cache loaded back from its host tier, and from its disk tier (SGLang's names).
     """
 
     rid: str
@@ -227,6 +229,8 @@ class Req:
     cache_protected_len: int = 0
     priority: int = 0
     cache_inserted_len: int = 0
+    host_hit_length: int = 0
+    storage_hit_length: int = 0
     # What checked_fill_ids last checked, to check only what changed since.
     _checked: tuple | None = field(default=None, init=False, repr=False)
 

@@ -11,12 +11,17 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from minirad.events import (
+    BackupEvent,
+    DemoteEvent,
     Event,
     EventBus,
     EvictEvent,
+    HostEvictEvent,
     InsertEvent,
+    LoadBackEvent,
     LockEvent,
     MatchEvent,
+    PrefetchEvent,
     ResetEvent,
     SplitEvent,
     UnlockEvent,
@@ -63,6 +68,28 @@ def _reset(t: int) -> Event:
     return ResetEvent(t, "radix_cache")
 
 
+# The tiers' events (HiRadixCache): built before the node's slots change.
+def _backup(t: int, path: list[TreeNode], host: list[int], medium: str) -> Event:
+    return BackupEvent(t, _ids(path), tuple(host), medium)
+
+
+def _demote(t: int, leaf: TreeNode) -> Event:
+    return DemoteEvent(t, leaf.id, len(leaf.value), tuple(leaf.value))
+
+
+def _load_back(t: int, path: list[TreeNode], device: list[int], recomputed: bool) -> Event:
+    return LoadBackEvent(t, _ids(path), tuple(device), recomputed)
+
+
+def _evict_host(t: int, leaf: TreeNode) -> Event:
+    return HostEvictEvent(t, leaf.id, len(leaf.host_value), tuple(leaf.host_value))
+
+
+def _prefetch(t: int, leaf: TreeNode) -> Event:
+    key, host = tuple(leaf.key), tuple(leaf.host_value)
+    return PrefetchEvent(t, leaf.id, leaf.parent.id, key, host, leaf.extra_key)
+
+
 _BUILDERS: dict[type[Event], Callable[..., Event | None]] = {
     MatchEvent: _match,
     InsertEvent: _insert,
@@ -71,6 +98,11 @@ _BUILDERS: dict[type[Event], Callable[..., Event | None]] = {
     LockEvent: _lock,
     UnlockEvent: _unlock,
     ResetEvent: _reset,
+    BackupEvent: _backup,
+    DemoteEvent: _demote,
+    LoadBackEvent: _load_back,
+    HostEvictEvent: _evict_host,
+    PrefetchEvent: _prefetch,
 }
 
 

@@ -21,6 +21,13 @@
 //
 // Jump-forward: the tokens a grammar forced are marked on their edges (label.forced, runs of
 // [offset, num_tokens]): teal text, and a teal bar under their share of the box.
+//
+// Tiers (a HiRadixCache: a node's KV on the device, in the host pool, on disk): a row of chips
+// on each box's top edge, "dev" "host" (and "disk" once written there), filled where the KV is,
+// hollow where it is not; a host-only node's box is dashed brown on a light brown fill. A
+// backup pops the host chip in, a demotion empties the dev chip, a load-back fills it again
+// (node.marks, from NodeView.tier_marks). The pool panel gains the host pool (frame.host_pool):
+// brown cells, darker for host-only nodes than for backups of device nodes.
 
 const NS = "http://www.w3.org/2000/svg";
 const COL_W = 148, ROW_H = 64, BOX_W = 136, BOX_H = 38, MARGIN = 12;
@@ -32,6 +39,11 @@ const TEXT_PX = 12, MIN_TEXT_PX = 11;
 const SPEEDS = [0.5, 1, 2, 4];
 const STATES = ["added", "accessed", "split", "evicted", "idle"];
 const ANIMATED = ["added", "accessed", "evicted", "split"];
+const TIERS = ["device", "host", "disk"];
+const TIER_MARKS = ["backed_up", "stored", "demoted", "loaded_back", "recomputed", "host_evicted", "prefetched"];
+const CHIP_TEXT = { device: "dev", host: "host", disk: "disk" };
+// Tier chips: on the box's top edge, left of where the edge from the parent comes in (BOX_W / 2).
+const CHIP_W = 20, CHIP_H = 11, CHIP_X = 2, CHIP_GAP = 1;
 
 function svgEl(tag, attrs, parent) {
   const e = document.createElementNS(NS, tag);
@@ -50,12 +62,15 @@ function htmlEl(tag, cls, parent, text) {
 
 // A node arrives as a list (viz/frames.py NodeView.to_wire): a tree per frame, kept small.
 const plural = (n, noun) => `${n} ${noun}${n === 1 ? "" : "s"}`;
-const unpackNode = ([id, parent, col, depth, n, lock, last, state, label, extra_key]) =>
-  ({ id, parent, col, depth, n, lock, last, state, label, extra_key });
+// A cache without tiers sends 10 fields: tiers is null and marks empty.
+const unpackNode = ([id, parent, col, depth, n, lock, last, state, label, extra_key, tiers = null, marks = []]) =>
+  ({ id, parent, col, depth, n, lock, last, state, label, extra_key, tiers, marks });
 const unpackFrame = (f) => ({ ...f, nodes: f.nodes.map(unpackNode) });
 const sameNode = (a, b) => a.parent === b.parent && a.col === b.col && a.depth === b.depth &&
   a.n === b.n && a.lock === b.lock && a.last === b.last && a.state === b.state &&
-  a.label === b.label && a.extra_key === b.extra_key;
+  a.label === b.label && a.extra_key === b.extra_key && String(a.tiers) === String(b.tiers) &&
+  String(a.marks) === String(b.marks);
+const hostOnly = (n) => n.tiers !== null && !n.tiers.includes("device");
 
 // Screen position of a node's box: its layout cell, or its squeezed column when collapsed.
 const boxX = (n) => MARGIN + n.x * COL_W;
@@ -82,7 +97,7 @@ function restartAnimations(pending, flushEl) {
 }
 
 // The nodes to draw for frame `f`: all of them, or (more than `max` nodes) the frame's
-// changed, locked and pinned nodes, then those of `before` (the nodes drawn for the previous
+// changed (a tier move too), locked and pinned nodes, then those of `before` (the nodes drawn for the previous
 // frame: a step keeps what was on screen, so little moves), then the most recently accessed
 // ones, each with its ancestors, up to `max`.
 // Returns {nodes, folded: id -> hidden descendants, x: id -> screen column}.
@@ -97,7 +112,7 @@ function visibleNodes(f, max, pinned, before) {
     for (; n && !keep.has(n.id); n = byId.get(n.parent)) keep.add(n.id);
   };
   add(byId.get(0));
-  for (const n of f.nodes) if (n.state !== "idle" || n.lock > 0 || n.id === pinned) add(n);
+  for (const n of f.nodes) if (n.state !== "idle" || n.lock > 0 || n.marks.length || n.id === pinned) add(n);
   const cold = f.nodes.filter((n) => !keep.has(n.id));
   const hot = (n) => (before.has(n.id) ? 1 : 0);
   cold.sort((a, b) => hot(b) - hot(a) || b.last - a.last || a.depth - b.depth || a.id - b.id);
@@ -137,7 +152,6 @@ function render({ model, el }) {
   const cache = new Map(); // index -> unpacked frame (the few most recent)
   const nodes = new Map(); // id -> {g, box, head, text, badge, badgeText, title, fold, ...}
   const edges = new Map(); // child id -> {path, cut, thumb, thumbImg, image}
-  let cells = [], cellGroup = 1, poolOwners = [];
   const pending = []; // [element, animation class] to restart once the frame is drawn
 
   function frame(i) {
@@ -196,20 +210,34 @@ function render({ model, el }) {
   const edgeLayer = svgEl("g", { class: "rv-edges" }, tree);
   const nodeLayer = svgEl("g", { class: "rv-nodes" }, tree);
   const thumbLayer = svgEl("g", { class: "rv-thumbs" }, tree);
-  const poolHead = htmlEl("div", "rv-pool-head", root);
-  const pool = svgEl("svg", { class: "rv-pool" }, root);
+  // The device pool, and the host pool of a cache with tiers (drawn only for such frames).
+  const makePool = (headCls, svgCls, cellCls) => ({
+    head: htmlEl("div", headCls, root),
+    svg: svgEl("svg", { class: svgCls }, root),
+    cellCls, cells: [], group: 1, owners: [],
+  });
+  const pools = {
+    device: makePool("rv-pool-head", "rv-pool", "rv-cell"),
+    host: makePool("rv-pool-head rv-host-head", "rv-pool rv-host-pool", "rv-hcell"),
+  };
   const details = htmlEl("div", "rv-details", root, "Hover over a node or a pool cell.");
   const legend = htmlEl("div", "rv-legend", root);
   const legendItems = {};
-  for (const s of ["added", "accessed", "split", "evicted", "idle", "locked", "request", "free", "forced"]) {
+  const LEGEND = ["added", "accessed", "split", "evicted", "idle", "locked", "request", "free", "forced",
+    "host-only", "tier-device", "tier-host", "tier-disk"];
+  const LEGEND_TEXT = { "tier-device": "dev: on device", "tier-host": "host: in host pool", "tier-disk": "disk: on disk" };
+  for (const s of LEGEND) {
     const item = htmlEl("span", "rv-legend-item", legend);
     htmlEl("span", `rv-swatch ${s}`, item);
-    item.append(s);
+    item.append(LEGEND_TEXT[s] || s);
     legendItems[s] = item;
   }
-  // "forced" only where a grammar forced tokens (a label has forced runs).
+  // "forced" only where a grammar forced tokens (a label has forced runs); the tiers only for
+  // a cache with tiers (its frames have a host pool).
   const showForcedLegend = () => {
     legendItems.forced.hidden = !labels.some((l) => l && l.forced && l.forced.length);
+    const tiered = raw.some((f) => f.host_pool);
+    for (const s of ["host-only", "tier-device", "tier-host", "tier-disk"]) legendItems[s].hidden = !tiered;
   };
   showForcedLegend();
 
@@ -268,6 +296,7 @@ function render({ model, el }) {
     const r = { g, label: -1, lock: 0, pos: "", data: null, fold: null };
     r.title = svgEl("title", {}, g);
     const body = svgEl("g", { class: "rv-body" }, g);
+    r.body = body;
     if (n.id === 0) {
       r.box = svgEl("circle", { class: "rv-box", cx: BOX_W / 2, cy: BOX_H / 2, r: 16 }, body);
       svgEl("text", { x: BOX_W / 2, y: BOX_H / 2 + 4, "text-anchor": "middle" }, body).textContent = "root";
@@ -279,6 +308,8 @@ function render({ model, el }) {
     r.head = svgEl("text", { class: "rv-head", x: 8, y: 15 }, body);
     r.text = svgEl("text", { class: "rv-text", x: 8, y: 31 }, body);
     r.forcedBars = svgEl("g", { class: "rv-forced-bars" }, body);
+    // Tier chips (caches with tiers): built on the first frame that has tiers.
+    r.chips = null;
     r.badge = svgEl("g", { class: "rv-badge", transform: `translate(${BOX_W - 11},11)` }, body);
     svgEl("circle", { r: 9 }, r.badge);
     r.badgeText = svgEl("text", { y: 4, "text-anchor": "middle" }, r.badge);
@@ -304,12 +335,41 @@ function render({ model, el }) {
     r.fold.textContent = `+${hidden} hidden`;
   }
 
+  // The chips "dev" "host" "disk" on the box's top edge: filled (class "on") where the KV is.
+  function setChips(r, n) {
+    if (n.tiers === null) {
+      if (r.chips) r.chips.g.style.display = "none";
+      return;
+    }
+    if (!r.chips) {
+      const g = svgEl("g", { class: "rv-tiers" }, r.body);
+      r.chips = { g };
+      TIERS.forEach((t, i) => {
+        const chip = svgEl("g", { class: `rv-tier-chip ${t}`, transform: `translate(${CHIP_X + i * (CHIP_W + CHIP_GAP)},${1 - CHIP_H})` }, g);
+        svgEl("rect", { width: CHIP_W, height: CHIP_H, rx: 3 }, chip);
+        svgEl("text", { class: "rv-chip-text", x: CHIP_W / 2, y: CHIP_H - 2.5, "text-anchor": "middle" }, chip).textContent = CHIP_TEXT[t];
+        r.chips[t] = chip;
+      });
+    }
+    r.chips.g.style.display = "";
+    for (const t of TIERS) {
+      const on = n.tiers.includes(t);
+      r.chips[t].classList.toggle("on", on);
+      // The disk chip only for a node whose pages reached the disk tier.
+      r.chips[t].style.display = t === "disk" && !on ? "none" : "";
+    }
+  }
+
   function updateNode(r, n, animate) {
     const g = r.g;
     for (const s of STATES) g.classList.toggle(s, n.state === s);
     g.classList.toggle("locked", n.lock > 0);
+    for (const t of TIERS) g.classList.toggle(`tier-${t}`, n.tiers !== null && n.tiers.includes(t));
+    g.classList.toggle("host-only", hostOnly(n));
+    for (const m of TIER_MARKS) g.classList.toggle(`mark-${m}`, n.marks.includes(m));
     r.data = n;
     if (n.id === 0) return;
+    setChips(r, n);
     const label = labels[n.label];
     if (r.label !== n.label) {
       r.label = n.label;
@@ -332,14 +392,17 @@ function render({ model, el }) {
     if (n.extra_key !== null) hover += `, extra_key ${n.extra_key}`;
     const forced = numForced(label);
     if (forced) hover += `, ${plural(forced, "forced token")} (jump-forward)`;
+    if (n.tiers !== null) hover += `, KV on ${n.tiers.join(" + ")}`;
+    if (n.marks.length) hover += ` (${n.marks.join(", ").replaceAll("_", " ")})`;
     r.title.textContent = `${hover}\n${label.full}`;
     r.badge.style.display = n.lock > 0 ? "" : "none";
     r.badgeText.textContent = n.lock;
     r.badge.classList.remove("up", "down");
     if (animate && n.lock !== r.lock) pending.push([r.badge, n.lock > r.lock ? "up" : "down"]);
     r.lock = n.lock;
-    g.classList.remove(...ANIMATED.map((s) => `anim-${s}`));
+    g.classList.remove(...ANIMATED.map((s) => `anim-${s}`), ...TIER_MARKS.map((m) => `anim-${m}`));
     if (animate && ANIMATED.includes(n.state)) pending.push([g, `anim-${n.state}`]);
+    if (animate) for (const m of n.marks) pending.push([g, `anim-${m}`]);
   }
 
   const startsWithImage = (label) => label.images.length > 0 && label.images[0][0] === 0;
@@ -458,95 +521,131 @@ function render({ model, el }) {
 
   // One cell per page; a pool of more than MAX_POOL_CELLS pages is drawn with one cell per
   // `group` pages, coloured by the first page in it that is in use.
-  function drawPool(f) {
-    // A source without a pool (a vLLM server's KV events carry no slots): no pool panel.
-    const hasPool = f.pool.cells > 0;
-    pool.style.display = hasPool ? "" : "none";
-    poolHead.hidden = !hasPool;
-    if (!hasPool) return;
+  function drawCells(p, pv, byId, cellClass) {
     const owners = [];
-    for (const [, n, owner] of f.pool.runs) for (let i = 0; i < n; i++) owners.push(owner);
-    poolOwners = owners;
+    for (const [, n, owner] of pv.runs) for (let i = 0; i < n; i++) owners.push(owner);
+    p.owners = owners;
     const group = Math.max(1, Math.ceil(owners.length / MAX_POOL_CELLS));
     const count = Math.ceil(owners.length / group);
-    if (cells.length !== count || cellGroup !== group) {
-      pool.replaceChildren();
-      cellGroup = group;
-      cells = Array.from({ length: count }, (_, i) => {
+    if (p.cells.length !== count || p.group !== group) {
+      p.svg.replaceChildren();
+      p.group = group;
+      p.cells = Array.from({ length: count }, (_, i) => {
         const c = svgEl("rect", {
-          class: "rv-cell",
+          class: p.cellCls,
           x: MARGIN + (i % CELLS_PER_ROW) * CELL_PITCH,
           y: 2 + Math.floor(i / CELLS_PER_ROW) * CELL_PITCH,
           width: CELL, height: CELL,
-        }, pool);
-        c.cls = "rv-cell";
-        c.addEventListener("mouseenter", () => highlight(c.owner, i));
+        }, p.svg);
+        c.cls = p.cellCls;
+        c.addEventListener("mouseenter", () => highlight(c.owner, i, p));
         c.addEventListener("mouseleave", () => highlight(pinned));
         return c;
       });
       const rows = Math.ceil(count / CELLS_PER_ROW);
-      pool.setAttribute("width", 2 * MARGIN + CELLS_PER_ROW * CELL_PITCH);
-      pool.setAttribute("height", 4 + rows * CELL_PITCH);
+      p.svg.setAttribute("width", 2 * MARGIN + CELLS_PER_ROW * CELL_PITCH);
+      p.svg.setAttribute("height", 4 + rows * CELL_PITCH);
     }
-    const byId = new Map(f.nodes.map((n) => [n.id, n]));
-    const used = { tree: 0, request: 0, free: 0 };
-    for (const owner of owners) {
-      used[owner === null ? "free" : typeof owner === "string" ? "request" : "tree"] += 1;
-    }
-    cells.forEach((c, i) => {
+    p.cells.forEach((c, i) => {
       let owner = owners[i * group];
       for (let k = i * group + 1; owner === null && k < Math.min((i + 1) * group, owners.length); k++) {
         owner = owners[k];
       }
       c.owner = owner;
-      let cls = "free";
-      if (typeof owner === "string") cls = "request";
-      else if (owner !== null) {
-        const n = byId.get(owner);
-        cls = `${n ? n.state : "idle"}${n && n.lock > 0 ? " locked" : ""}`;
-      }
-      cls = `rv-cell ${cls}${c.classList.contains("hl") ? " hl" : ""}`;
+      const cls = `${p.cellCls} ${cellClass(owner, byId.get(owner))}${c.classList.contains("hl") ? " hl" : ""}`;
       if (c.cls !== cls) {
         c.cls = cls;
         c.setAttribute("class", cls);
       }
     });
-    const unit = f.pool.page_size === 1 ? "slots" : `pages of ${f.pool.page_size} tokens`;
-    const per = group > 1 ? ` (a cell per ${group})` : "";
-    // The counts are cells (slots or pages), not requests: say who holds them.
-    poolHead.textContent = `KV pool: ${f.pool.cells} ${unit}${per}: ${used.tree} in the tree, ` +
-      `${used.request} held by running requests, ${used.free} free`;
+    return owners;
   }
 
-  // Hovered or pinned node: its box and its pool cells light up together.
-  function highlight(owner, cell) {
+  function showPool(p, on) {
+    p.svg.style.display = on ? "" : "none";
+    p.head.hidden = !on;
+    if (!on) p.owners = [];
+  }
+
+  function drawPool(f) {
+    const byId = new Map(f.nodes.map((n) => [n.id, n]));
+    const per = (p) => (p.group > 1 ? ` (a cell per ${p.group})` : "");
+    const unit = (pv) => (pv.page_size === 1 ? "slots" : `pages of ${pv.page_size} tokens`);
+    // A source without a pool (a vLLM server's KV events carry no slots): no pool panel.
+    const dev = pools.device, hasPool = f.pool.cells > 0;
+    showPool(dev, hasPool);
+    if (hasPool) {
+      const owners = drawCells(dev, f.pool, byId, (owner, n) => {
+        if (owner === null) return "free";
+        if (typeof owner === "string") return "request";
+        return `${n ? n.state : "idle"}${n && n.lock > 0 ? " locked" : ""}`;
+      });
+      const used = { tree: 0, request: 0, free: 0 };
+      for (const owner of owners) {
+        used[owner === null ? "free" : typeof owner === "string" ? "request" : "tree"] += 1;
+      }
+      // The counts are cells (slots or pages), not requests: say who holds them.
+      const name = f.host_pool ? "Device KV pool" : "KV pool";
+      dev.head.textContent = `${name}: ${f.pool.cells} ${unit(f.pool)}${per(dev)}: ${used.tree} in the tree, ` +
+        `${used.request} held by running requests, ${used.free} free`;
+    }
+    // The host pool (a cache with tiers): the pages of the nodes' host copies.
+    const host = pools.host, hasHost = Boolean(f.host_pool && f.host_pool.cells > 0);
+    showPool(host, hasHost);
+    if (!hasHost) return;
+    const used = { copy: 0, only: 0, free: 0 };
+    const owners = drawCells(host, f.host_pool, byId, (owner, n) => {
+      if (owner === null) return "free";
+      const fresh = n && (n.marks.includes("backed_up") || n.marks.includes("prefetched"));
+      return `${n && hostOnly(n) ? "host-only" : "host-copy"}${fresh ? " fresh" : ""}`;
+    });
+    for (const owner of owners) {
+      const n = owner === null ? null : byId.get(owner);
+      used[owner === null ? "free" : n && hostOnly(n) ? "only" : "copy"] += 1;
+    }
+    host.head.textContent = `Host pool: ${f.host_pool.cells} ${unit(f.host_pool)}${per(host)}: ` +
+      `${used.copy} back up device nodes, ${used.only} hold host-only nodes, ${used.free} free`;
+  }
+
+  // Hovered or pinned node: its box and its pool cells (both pools) light up together.
+  function highlight(owner, cell, p = pools.device) {
     const f = shown >= 0 ? frame(shown) : null;
     for (const [id, r] of nodes) r.g.classList.toggle("hl", id === owner);
-    cells.forEach((c) => {
-      const on = owner !== null && c.owner === owner;
-      if (on !== c.classList.contains("hl")) {
-        c.classList.toggle("hl", on);
-        c.cls = c.getAttribute("class");
-      }
-    });
+    for (const q of Object.values(pools)) {
+      q.cells.forEach((c) => {
+        const on = owner !== null && c.owner === owner;
+        if (on !== c.classList.contains("hl")) {
+          c.classList.toggle("hl", on);
+          c.cls = c.getAttribute("class");
+        }
+      });
+    }
     const n = f && typeof owner === "number" ? f.nodes.find((m) => m.id === owner) : null;
     details.replaceChildren();
     if (cell !== undefined) {
+      const hostCell = p === pools.host;
       // A cell's reference count: the requests using its node (lock_ref), or the one request
-      // that holds it.
-      const who = owner === null ? "free, ref count 0"
+      // that holds it. A host pool cell: the node whose host copy is there.
+      const who = owner === null ? (hostCell ? "free" : "free, ref count 0")
         : typeof owner === "string" ? `held by running request ${owner}, ref count 1`
+        : hostCell ? `host copy of node ${owner}${n && hostOnly(n) ? " (host-only)" : ""}`
         : `node ${owner}, ref count ${n ? n.lock : 0} (its lock_ref)`;
-      const where = cellGroup === 1 ? `pool cell ${cell}`
-        : `pool cells ${cell * cellGroup}-${Math.min((cell + 1) * cellGroup, poolOwners.length) - 1}`;
+      const name = hostCell ? "host pool cell" : "pool cell";
+      const where = p.group === 1 ? `${name} ${cell}`
+        : `${name}s ${cell * p.group}-${Math.min((cell + 1) * p.group, p.owners.length) - 1}`;
       htmlEl("div", "", details, `${where}: ${who}`);
     }
     if (n && n.id !== 0) {
       const label = labels[n.label];
-      const count = poolOwners.filter((o) => o === n.id).length;
-      htmlEl("div", "", details,
-        `node ${n.id} (parent ${n.parent}): ${plural(n.n, "token")}, lock_ref ${n.lock}, ` +
-        `last access t=${n.last}, state ${n.state}, ${count} pool cells`);
+      const count = pools.device.owners.filter((o) => o === n.id).length;
+      let about = `node ${n.id} (parent ${n.parent}): ${plural(n.n, "token")}, lock_ref ${n.lock}, ` +
+        `last access t=${n.last}, state ${n.state}, ${count} pool cells`;
+      if (n.tiers !== null) {
+        const hostCount = pools.host.owners.filter((o) => o === n.id).length;
+        about += `, ${hostCount} host pool cells; KV on ${n.tiers.join(" + ")}`;
+        if (n.marks.length) about += ` (this frame: ${n.marks.join(", ").replaceAll("_", " ")})`;
+      }
+      htmlEl("div", "", details, about);
       if (label.images.length) {
         const spans = label.images.map(([o, k, name]) => `${name} (${plural(k, "token")} at ${o})`);
         const line = htmlEl("div", "rv-chip", details, `images: ${spans.join(", ")}`);
