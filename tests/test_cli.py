@@ -172,6 +172,40 @@ def test_batch_with_a_tight_pool_preempts_and_still_answers(tiny_dir, capsys):
     assert int(stat(tight, "preemptions").split()[0]) >= 1
 
 
+def test_batch_with_a_host_tier_answers_the_same_and_counts_host_hits(tiny_dir, capsys):
+    """A pool too small to keep the first image's prompt while the second runs: with a host
+    tier the fourth line finds it there (the summary's by-source row), answers unchanged."""
+    root, _, _ = tiny_dir
+    jsonl = write_jsonl(root / "requests.jsonl", ROWS)
+    argv = ["batch", str(jsonl), "--model", str(root / "model"), "--max-new-tokens", str(MAX_NEW)]
+    assert main(argv) == 0
+    roomy = capsys.readouterr().out
+    peak = int(stat(roomy, "KV slots at peak").split()[0])
+    tight = argv + ["--num-kv-slots", str(peak // 2)]
+    assert main(tight + ["--enable-hierarchical-cache", "--hicache-ratio", "4"]) == 0
+    tiered = capsys.readouterr().out
+    assert tiered.split("\n\n")[0] == roomy.split("\n\n")[0]  # the same answers
+    sources = dict(reversed(w.split()) for w in stat(tiered, "cached tokens by source").split(","))
+    assert set(sources) == {"device", "host", "storage"} and int(sources["host"]) > 0
+    assert sum(map(int, sources.values())) == int(stat(tiered, "prefill tokens").split()[2])
+    assert "cached tokens by source" not in roomy
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--hicache-ratio", "2"],
+        ["--hicache-storage-dir", "x"],
+        ["--hicache-write-policy", "write_back"],
+    ],
+)
+def test_hicache_flags_need_the_switch(tiny_dir, flags, capsys):
+    root, _, _ = tiny_dir
+    jsonl = write_jsonl(root / "requests.jsonl", ROWS)
+    assert main(["batch", str(jsonl), "--model", str(root / "model"), *flags]) == 2
+    assert "--enable-hierarchical-cache" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv_tail, message",
     [
@@ -250,13 +284,19 @@ def test_help_and_argument_errors_do_not_import_torch():
 
 def test_parser_choices_are_the_engines():
     from minirad.engine import POLICIES, PREFIX_STRATEGIES
+    from minirad.kvcache.hiradix_cache import WRITE_POLICIES
     from minirad.models import DEFAULT_MODEL_DIR
 
     args = build_parser().parse_args(["batch", "x.jsonl"])
     assert args.model == str(DEFAULT_MODEL_DIR)
     batch = build_parser()._subparsers._group_actions[0].choices["batch"]
     choices = {a.dest: a.choices for a in batch._actions if a.choices}
-    assert choices == {"prefix_strategy": PREFIX_STRATEGIES, "policy": POLICIES, "dtype": DTYPES}
+    assert choices == {
+        "prefix_strategy": PREFIX_STRATEGIES,
+        "policy": POLICIES,
+        "dtype": DTYPES,
+        "hicache_write_policy": WRITE_POLICIES,
+    }
     assert all(getattr(torch, name).is_floating_point for name in DTYPES)
 
 

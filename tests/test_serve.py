@@ -368,6 +368,7 @@ def test_metrics_move_by_each_requests_counts(url, client):
 
     assert moved("vllm:prefix_cache_queries_total") == usage.prompt_tokens
     assert moved("vllm:prefix_cache_hits_total") == usage.prompt_tokens_details.cached_tokens
+    assert moved("sglang:cached_tokens_total{device}") == usage.prompt_tokens_details.cached_tokens
     assert moved("vllm:prompt_tokens_total") == usage.prompt_tokens
     assert moved("vllm:generation_tokens_total") == usage.completion_tokens
     reason = resp.choices[0].finish_reason
@@ -720,3 +721,32 @@ def test_serve_checks_its_flags_before_loading_anything():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+# ------------------------------------------------------------------- a hierarchical cache
+def test_usage_and_metrics_say_where_cached_tokens_came_from(reference):
+    """With a host tier on a device pool that holds one conversation, the first question
+    comes back from the host after the second pushed it off the device: usage and /metrics
+    count those tokens under ``host`` (sglang #11668: yes, they are cached tokens)."""
+    engine = LLMEngine.from_pretrained(shipped_model(), num_kv_slots=96, hicache_ratio=4)
+    question = "What colour is the circle?"
+    with serving(build_app(engine, NAME, model_path="tiny-path")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        answers = []
+        for image in (SQUARE, SHAPES, SQUARE):
+            before = metrics(base)
+            resp = client.chat.completions.create(
+                model=NAME, messages=user_turn(question, str(image)), max_tokens=6, temperature=0
+            )
+            after = metrics(base)
+            answers.append(resp)
+            details = resp.usage.prompt_tokens_details.model_dump()
+            by_source = details["cached_tokens_by_source"]
+            assert sum(by_source.values()) == details["cached_tokens"]
+            for source, n in by_source.items():
+                name = f"sglang:cached_tokens_total{{{source}}}"
+                assert after[name] - before.get(name, 0) == n
+    first, last = answers[0], answers[-1]
+    assert last.usage.prompt_tokens_details.model_dump()["cached_tokens_by_source"]["host"] > 0
+    want = expected(reference, question, SQUARE, max_new_tokens=6)
+    assert first.choices[0].message.content == last.choices[0].message.content == want.text

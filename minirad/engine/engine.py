@@ -62,9 +62,10 @@ from minirad.events import EventBus, JumpForwardEvent, StepEvent
 from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
 from minirad.kvcache.hicache_storage import HiCacheFile
 from minirad.kvcache.hiradix_cache import HiRadixCache
-from minirad.kvcache.host_pool import TensorTransfer, make_host_pool
+from minirad.kvcache.host_pool import make_host_pool
 from minirad.kvcache.kv_pool import KVCache, TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache
+from minirad.kvcache.tensor_transfer import TensorTransfer
 from minirad.models import PagedVLM, get_family, kv_cache_dims, load_model
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "available_devices", "resolve_device"]

@@ -11,6 +11,7 @@ from minirad.errors import RequestError
 __all__ = [
     "DTYPES",
     "non_negative_float",
+    "positive_float",
     "positive_int",
     "prompt_text",
     "sampling_arg",
@@ -80,6 +81,18 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from e
     if not 0.0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """``argparse`` type: a finite float > 0.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not positive or not finite.
+    """
+    value = non_negative_float(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

@@ -31,7 +31,7 @@ import json
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -40,6 +40,7 @@ from minirad.entrypoints.argtypes import (
     DTYPES,
     non_negative_float,
     port,
+    positive_float,
     positive_int,
     prompt_text,
     sampling_arg,
@@ -53,6 +54,7 @@ from minirad.errors import (
     MiniradError,
     RequestError,
 )
+from minirad.kvcache.tiers import DEFAULT_HICACHE_RATIO, WRITE_POLICIES
 from minirad.peers.vllm_server import DEFAULT_MODEL_DIR
 
 if TYPE_CHECKING:  # the engine imports torch and transformers: only the commands load it
@@ -458,6 +460,7 @@ class BatchStats:
     page_size: int
     num_preemptions: int
     preempted_cached_tokens: int
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -475,6 +478,11 @@ class BatchStats:
                 f"{self.hit_rate:.1%} ({self.cached_tokens} cached / {self.prompt_tokens})",
             ),
             ("prefill tokens", f"{self.prefill_tokens} computed, {self.cached_tokens} saved"),
+        ]
+        if set(self.cached_tokens_by_source) - {"device"}:  # a hierarchical cache
+            sources = ", ".join(f"{n} {k}" for k, n in self.cached_tokens_by_source.items())
+            rows.append(("cached tokens by source", sources))
+        rows += [
             ("output tokens", f"{self.output_tokens}"),
             ("encoder calls", f"{self.encoder_calls} made, {self.encoder_hits} saved"),
             (
@@ -535,6 +543,10 @@ def run_batch(
         page_size=pool.page_size,
         num_preemptions=after.num_preemptions - before.num_preemptions,
         preempted_cached_tokens=after.preempted_cached_tokens - before.preempted_cached_tokens,
+        cached_tokens_by_source={
+            k: n - before.cached_tokens_by_source.get(k, 0)
+            for k, n in after.cached_tokens_by_source.items()
+        },
     )
     return outs, stats
 
@@ -562,12 +574,23 @@ def _check_pool(args: argparse.Namespace) -> None:
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:
-    return {
+    settings = {
         "prefix_strategy": args.prefix_strategy,
         "page_size": args.page_size,
         "num_kv_slots": args.num_kv_slots,
         "policy": args.policy,
     }
+    tier_flags = (args.hicache_ratio, args.hicache_write_policy, args.hicache_storage_dir)
+    if not args.enable_hierarchical_cache:
+        if any(v is not None for v in tier_flags):
+            raise InvalidArgumentError("the --hicache-* options need --enable-hierarchical-cache")
+        return settings
+    ratio, policy, folder = tier_flags
+    settings["hicache_ratio"] = DEFAULT_HICACHE_RATIO if ratio is None else ratio
+    settings["hicache_write_policy"] = policy or "write_through"
+    if folder is not None:
+        settings["hicache_storage_dir"] = folder
+    return settings
 
 
 def _batch(args: argparse.Namespace) -> int:
@@ -853,6 +876,30 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
     p.add_argument("--num-kv-slots", type=positive_int, default=4096, help="KV pool in tokens")
     p.add_argument("--policy", choices=SCHEDULING_POLICIES, default="fcfs", help="scheduling order")
+    tiers = p.add_argument_group("hierarchical cache (SGLang's HiCache: device -> host -> disk)")
+    tiers.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="back the radix tree's KV up to a host pool and load it back on a match",
+    )
+    tiers.add_argument(
+        "--hicache-ratio",
+        type=positive_float,
+        default=None,
+        help=f"host pool size over the device pool (default {DEFAULT_HICACHE_RATIO:g})",
+    )
+    tiers.add_argument(
+        "--hicache-write-policy",
+        choices=WRITE_POLICIES,
+        default=None,
+        help="when the host gets a copy (default write_through)",
+    )
+    tiers.add_argument(
+        "--hicache-storage-dir",
+        default=None,
+        help="a folder for the disk tier: one safetensors file per page, found again by the "
+        "next engine of the same model",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

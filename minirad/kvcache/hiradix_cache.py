@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -42,9 +42,7 @@ from minirad.events import (
     PrefetchEvent,
 )
 from minirad.kvcache.eviction import EvictionPolicy
-from minirad.kvcache.hicache_storage import HiCacheStorage, page_hashes
 from minirad.kvcache.host_pool import (
-    DEFAULT_HICACHE_RATIO,
     KVTransfer,
     NoTransfer,
     make_host_pool,
@@ -57,11 +55,13 @@ from minirad.kvcache.radix_cache import (
     TreeNode,
     _check_extra_key,
 )
+from minirad.kvcache.tiers import DEFAULT_HICACHE_RATIO, WRITE_POLICIES
 from minirad.kvcache.tokens import checked_token_ids
 
-__all__ = ["WRITE_POLICIES", "HiMatchResult", "HiRadixCache", "HiTreeNode"]
+if TYPE_CHECKING:
+    from minirad.kvcache.hicache_storage import HiCacheStorage
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+__all__ = ["WRITE_POLICIES", "HiMatchResult", "HiRadixCache", "HiTreeNode"]
 
 
 class HiTreeNode(TreeNode):
@@ -371,6 +371,8 @@ class HiRadixCache(RadixCache):
 
     def _page_hashes(self, key: list[int], extra_key: str | None) -> list[str]:
         """The chained hashes of ``key``'s whole storage pages, in this cache's namespace."""
+        from minirad.kvcache.hicache_storage import page_hashes  # torch: with a disk tier only
+
         if self.storage_namespace:
             extra_key = f"{self.storage_namespace}|{extra_key or ''}"
         return page_hashes(key, self.storage_page_size, extra_key)

@@ -1,5 +1,5 @@
-"""``/metrics``: Prometheus text with vLLM 0.32's metric names, from the engine thread's
-snapshot."""
+"""``/metrics``: Prometheus text with vLLM 0.32's metric names (and SGLang's
+``sglang:cached_tokens_total`` by ``cache_source``), from the engine thread's snapshot."""
 
 from __future__ import annotations
 
@@ -89,3 +89,14 @@ class VLLMMetrics:
         for reason in ("stop", "length", "abort", "error"):
             success.add_metric([*self.labels, reason], snapshot.finished.get(reason, 0))
         yield success
+        # SGLang's name, with its cache_source label: the prefix hits by the tier they came
+        # from (device only without a hierarchical cache).
+        cached = CounterMetricFamily(
+            "sglang:cached_tokens",
+            "Number of cached prompt tokens, by the tier they came from.",
+            labels=[*names, "cache_source"],
+        )
+        by_source = snapshot.stats.cached_tokens_by_source or {"device": 0}
+        for source, n in by_source.items():
+            cached.add_metric([*self.labels, source], n)
+        yield cached

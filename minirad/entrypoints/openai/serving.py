@@ -308,13 +308,18 @@ async def _chunks(
 def _usage(outs: Sequence[RequestOutput]) -> dict:
     """OpenAI's ``usage`` of one API request's choices: the prompt once, every choice's
     completion tokens; ``cached_tokens``: the first choice's (the others usually find its
-    prompt cached, which is the point of sampling them together)."""
+    prompt cached, which is the point of sampling them together), and with a hierarchical
+    cache ``cached_tokens_by_source`` (``device``, ``host``, ``storage``, adding up to it)."""
     prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+    details: dict = {"cached_tokens": outs[0].stats.cached_tokens}
+    by_source = outs[0].stats.cached_tokens_by_source
+    if set(by_source) - {"device"}:  # a hierarchical cache: where the cached tokens came from
+        details["cached_tokens_by_source"] = dict(by_source)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": outs[0].stats.cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 
