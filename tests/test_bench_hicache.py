@@ -18,7 +18,7 @@ def trace():
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_tiers_hit_at_least_device_only_and_at_most_min(trace, page_size):
     cap = capacity_for_fraction(trace, 0.1, page_size)
-    runs, mins = run_hicache_benchmark(trace, cap, page_size, (1.0, 2.0, 4.0))
+    runs, mins = run_hicache_benchmark(trace, cap, page_size, (1.0, 2.0, 4.0), disk_ratio=None)
     device, *tiers = runs
     # Device-only is radix.py's replay with LRU: the same lifecycle, the same hits.
     assert device.hit_tokens == replay(trace, cap, page_size, "lru").hit_tokens
@@ -45,3 +45,31 @@ def test_cli(capsys):
     out = capsys.readouterr().out
     assert "device only" in out and "host x2" in out
     assert "MIN (Belady, one flat pool of" in out and "device only" in out
+
+
+def test_the_disk_row_reads_pages_back_and_stays_under_min(trace):
+    cap = capacity_for_fraction(trace, 0.1)
+    runs, mins = run_hicache_benchmark(trace, cap, 1, (0.5,), disk_ratio=0.5)
+    host, disk = runs[1], runs[2]  # a host too small for this trace: the disk helps
+    assert disk.disk and disk.label == "host x0.5 + disk"
+    assert 0 < disk.storage_hit_tokens <= disk.host_hit_tokens
+    assert disk.hit_tokens >= host.hit_tokens  # the disk only adds pages to read back
+    assert disk.hit_tokens <= max(o.bound_hit_tokens for o in mins.values())
+
+
+def test_engine_bench_answers_match_and_the_tiers_serve_the_later_turns(capsys):
+    args = ["hicache-engine", "--conversations", "3", "--turns", "2", "--repeat", "1"]
+    args += ["--max-new-tokens", "4"]
+    assert main(args) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        for label in ("device only", "+ host x4", "+ host x2 + disk, new engine"):
+            if line.startswith(label):
+                cells = line[len(label) :].split()
+                rows[label] = cells
+    assert len(rows) == 3
+    assert all(cells[-1] == "0" for cells in rows.values())  # no mismatching answer
+    host = rows["+ host x4"]  # ... prefill, device / host / disk, mismatch
+    assert int(host[-4].replace(",", "")) > 0  # tokens from the host
+    disk = rows["+ host x2 + disk, new engine"]
+    assert int(disk[-2].replace(",", "")) > 0  # a new engine found pages on disk

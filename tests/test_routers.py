@@ -205,3 +205,32 @@ def test_send_routed_and_the_replica_view_follow_the_routers_choice(workers, pro
                 elif isinstance(e, BlockStored):
                     held |= _blocks(e.token_ids)
         assert held == sent
+
+
+def test_kv_aware_credits_a_workers_host_copies(prompts, tokenizer):
+    """Issue 32: with a host tier, a worker publishes its device blocks as "GPU" and their
+    host copies as "CPU"; vllm-router credits the CPU ones (at 0.8) and so still routes a
+    prompt to the worker whose host holds it, after its device let it go. Worker 1 (never
+    the tie-break's choice) is primed with a system prompt, which two others then push off
+    its small device pool, behind the router's back."""
+    systems = sorted({p.split("\nQ: ")[0] for p in prompts})
+    tiers = ["--enable-hierarchical-cache", "--hicache-ratio", "4"]
+    pair = [MiniradWorker(kv_events=True, num_kv_slots=320, extra_args=tiers) for _ in range(2)]
+    try:
+        for w in pair:
+            w.start(timeout_s=120)
+        with Router("vllm", pair, "kv_aware") as router:
+            for system in systems[:3]:  # the first one ends on worker 1's host only
+                _cached(pair[1], tokenizer(system)["input_ids"])
+            time.sleep(1.0)  # the events reach the router
+            ids = tokenizer(f"{systems[0]}\nQ: what is cached?\nA:")["input_ids"]
+            body = {"model": pair[0].model_name, "prompt": ids, "max_tokens": 1, "temperature": 0}
+            before = [worker_counters(w) for w in pair]
+            usage = router.post("/v1/completions", body)["usage"]
+            served = [worker_counters(w) - b for w, b in zip(pair, before, strict=True)]
+    finally:
+        for w in pair:
+            w.stop()
+    assert [round(c.requests) for c in served] == [0, 1]
+    by_source = usage["prompt_tokens_details"]["cached_tokens_by_source"]
+    assert by_source["host"] >= 192 and by_source["device"] == 0

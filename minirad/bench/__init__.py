@@ -31,7 +31,11 @@
   beside ours and Belady's MIN (:mod:`minirad.bench.sglang_cache`).
 - ``hicache``: the chat trace through a device pool alone and with a host tier 1, 2 and 4 times
   its size: hit rate, prefill tokens, device and host (loaded-back) hits, against Belady's MIN
-  at the device and at the total capacity (:mod:`minirad.bench.hicache`).
+  at the device and at the total capacity; a last row adds a disk tier
+  (:mod:`minirad.bench.hicache`).
+- ``hicache-engine``: the engine on a multi-turn image chat whose conversations take turns on a
+  small device pool: TTFT device-only, with a host tier, and a new engine on a filled disk
+  folder; outputs must match (:mod:`minirad.bench.hicache_engine`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands (``-`` in a name is ``_`` in its module's), importing
@@ -67,8 +71,10 @@ _COMMANDS = {  # subcommand (= module name, "-" for "_") -> help
     "(and its eviction policies: --policies)",
     "transfer-cost": "loading KV back from a slower tier (host copy measured here, PCIe, NVMe...) "
     "vs recomputing it: times and the break-even length",
-    "hicache": "the chat trace device-only vs with a host tier (ratio 1, 2, 4): hit rate, "
-    "prefill tokens, device and host hits, against Belady's MIN at the total capacity",
+    "hicache": "the chat trace device-only vs with a host tier (ratio 1, 2, 4) and a disk: hit "
+    "rate, prefill tokens, device and host hits, against Belady's MIN at the total capacity",
+    "hicache-engine": "the engine on a multi-turn image chat, device-only vs with a host tier "
+    "vs a new engine on a filled disk: TTFT, prefill tokens, cached tokens by source",
 }
 
 
