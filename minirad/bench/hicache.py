@@ -2,11 +2,12 @@
 host tier (:class:`~minirad.kvcache.hiradix_cache.HiRadixCache`) of 1, 2 and 4 times its size.
 
 Same trace, same request order and same lifecycle as :func:`minirad.bench.radix.replay` (its
-``_Lifecycle``), with one step added before a request's prefill, as SGLang's scheduler does it:
-match both tiers, load the host-only part of the match back to the device (unless it is shorter
-than ``load_back_threshold``, 10 tokens: recomputing those is cheaper), then match and lock on
-the device as usual. A loaded-back token counts as a hit (it is not prefilled), reported apart
-from the tokens the device already held.
+``_Lifecycle``): a request's ``match_prefix_for_req`` on a
+:class:`~minirad.kvcache.hiradix_cache.HiRadixCache` matches both tiers, loads the host-only part
+of the match back to the device (unless it is shorter than ``load_back_threshold``, 10 tokens:
+recomputing those is cheaper) and locks it, as SGLang's scheduler does before a prefill. A
+loaded-back token counts as a hit (it is not prefilled), reported apart from the tokens the
+device already held.
 
 The last row adds a disk tier behind the host (SGLang's L3 storage, here
 :class:`~minirad.kvcache.hicache_storage.HiCacheMemoryStorage`, unbounded as a disk is next to
@@ -119,16 +120,10 @@ class _TieredLifecycle(_Lifecycle):
         self.from_disk = 0  # of those, tokens prefetched from the disk first
 
     def start(self, i: int) -> None:
-        cache = self.cache
-        if isinstance(cache, HiRadixCache):  # (prefetch ->) match -> load_back, then as usual
-            key = self.requests[i].prompt[:-1]
-            stored = cache.prefetch_from_storage(key)[1] if cache.storage is not None else 0
-            m = cache.match_prefix(key)
-            if m.host_hit_length:
-                got = len(cache.load_back(m.last_host_node) or [])
-                self.loaded += got
-                self.from_disk += min(stored, got)
-        super().start(i)  # match + lock on the device, evict, alloc; counts every hit
+        super().start(i)  # match_prefix_for_req: (prefetch ->) load back -> lock; counts hits
+        req = self.running[i]
+        self.loaded += req.host_hit_length + req.storage_hit_length
+        self.from_disk += req.storage_hit_length
 
 
 def replay_tiers(
