@@ -20,7 +20,9 @@ Device slots are scarce; host slots are ``hicache_ratio`` times as many. The rul
 
 Follows SGLang's ``hiradix_cache.py`` / ``unified_radix_cache.py`` (``write_backup``,
 ``evict_host``, ``load_back``, ``load_back_threshold = 10``) with KV copies through a
-:class:`~minirad.kvcache.host_pool.KVTransfer`. Not yet: a disk tier, asynchronous copies.
+:class:`~minirad.kvcache.host_pool.KVTransfer`, and a disk tier behind the host
+(``storage``: pages written when a path is backed up, prefetched on a request's match). Not
+here: asynchronous copies (SGLang overlaps them with compute; ours are synchronous).
 """
 
 from __future__ import annotations
@@ -303,8 +305,10 @@ class HiRadixCache(RadixCache):
         d = min(d, i)
         if d < i:  # revive the host-only part of the path with value[d:i]
             self._new_slots(value, slots, d, len(key), allocated)  # checks only
-            if cut and walked[-1].evicted:
-                walked[-1] = self._split_node(walked[-1], cut, self.bus.tick())
+            if cut and walked[-1].evicted:  # touched first, as RadixCache._visit does
+                t = self.bus.tick()
+                walked[-1].last_access_time = t
+                walked[-1] = self._split_node(walked[-1], cut, t)
             start, revived = 0, []
             for n in walked:
                 end = start + len(n.key)
