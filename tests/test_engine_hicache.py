@@ -125,3 +125,136 @@ def test_the_disk_tier_serves_a_second_engine(llava, reference, tmp_path):
 def test_bad_tier_settings_are_typed_errors(llava, settings):
     with pytest.raises(InvalidArgumentError):
         LLMEngine(llava[0], None, num_kv_slots=96, **settings)
+
+
+# ------------------------------------------------------------------ hostile pages and settings
+def forge(folder, change) -> int:
+    """Rewrite every page file with ``change(tensor)`` applied to its K and V, keeping its
+    metadata and a valid digest: a well-formed page of the wrong shape (what a hostile or
+    buggy writer could leave). Returns the number of files."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from minirad.kvcache.hicache_storage import _digest
+
+    files = list(folder.rglob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), "pt") as g:
+            meta = g.metadata()
+            tensors = {k: change(g.get_tensor(k)) for k in g.keys()}  # noqa: SIM118
+        meta["digest"] = _digest(tensors)
+        save_file(tensors, str(f), metadata=meta)
+    return len(files)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda t: t[:, :5].contiguous(), lambda t: torch.cat([t, t], 1)],
+    ids=["short", "long"],
+)
+def test_a_page_of_the_wrong_length_is_a_miss_and_the_engine_serves_on(
+    llava, reference, tmp_path, change
+):
+    """Found by the hostile pass: a short page killed the engine thread (a shape error in the
+    copy), a long one shifted the pages after it (wrong answers)."""
+    model, prompts = llava[0], conversations()
+    kw = dict(num_kv_slots=96, hicache_ratio=2, hicache_storage_dir=tmp_path)
+    first = LLMEngine(model, None, **kw)
+    run(first, prompts)
+    first.close()
+    assert forge(tmp_path, change) > 0
+    second = LLMEngine(model, None, **kw)
+    assert_same_outputs(run(second, prompts[-4:]), reference[-4:])
+    assert second.stats.cached_tokens_by_source.get("storage", 0) == 0
+
+
+def test_another_checkpoint_of_the_same_model_finds_no_pages(llava, tmp_path):
+    """A fine-tune has the same config: the fingerprint must hold the weights too."""
+    model, prompts = llava[0], conversations()
+    kw = dict(num_kv_slots=96, hicache_ratio=2, hicache_storage_dir=tmp_path)
+    first = LLMEngine(model, None, **kw)
+    run(first, prompts)
+    first.close()
+    tuned = tiny_model("llava-llama")
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "v_proj" in name:
+                p.add_(0.01)
+    other = LLMEngine(tuned, None, **kw)
+    own = run(LLMEngine(tuned, None, num_kv_slots=4096), prompts[-4:])
+    assert_same_outputs(run(other, prompts[-4:]), own)
+    assert other.stats.cached_tokens_by_source.get("storage", 0) == 0
+
+
+def test_an_oversized_file_named_like_a_page_is_never_read(llava, reference, tmp_path):
+    model, prompts = llava[0], conversations()
+    kw = dict(num_kv_slots=96, hicache_ratio=2, hicache_storage_dir=tmp_path)
+    first = LLMEngine(model, None, **kw)
+    run(first, prompts)
+    first.close()
+    for f in tmp_path.rglob("*.safetensors"):
+        with open(f, "r+b") as out:
+            out.truncate(1 << 30)  # sparse: 1 GiB on paper
+    second = LLMEngine(model, None, **kw)
+    assert_same_outputs(run(second, prompts[-4:]), reference[-4:])
+    assert any("over" in n for n in second.tree_cache.storage.notices)
+
+
+def test_a_match_that_raises_ends_its_requests_and_the_engine_serves_on(llava, monkeypatch):
+    """A failure inside a request's admission (its match) must not leave the scheduler
+    unable to finish it: the server's fail_unfinished then stopped the engine thread."""
+    engine = LLMEngine(llava[0], None, num_kv_slots=96, hicache_ratio=2)
+    tree = engine.tree_cache
+    real = tree.match_prefix_for_req
+
+    def fails_once(req, *a, **kw):
+        monkeypatch.setattr(tree, "match_prefix_for_req", real)
+        real(req, *a, **kw)  # the lock is taken, as a failure late in the match leaves it
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(tree, "match_prefix_for_req", fails_once)
+    params = SamplingParams(max_new_tokens=2, stop_token_ids=())
+    engine.add_request(GenerateRequest(conversations()[0], sampling_params=params))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    (out,) = engine.fail_unfinished(RuntimeError("the step failed"))
+    assert out.finish_reason == "error"
+    engine.check_invariants()
+    assert tree.protected_size() == 0
+    again = engine.generate([GenerateRequest(conversations()[0], sampling_params=params)])
+    assert len(again[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(hicache_ratio=10**400),
+        dict(hicache_ratio=1e300),
+        dict(hicache_ratio=float("nan")),
+        dict(hicache_ratio=2, hicache_storage_dir="/tmp/x\0y"),
+        dict(hicache_write_policy="write_back"),  # no host tier
+    ],
+)
+def test_more_bad_tier_settings_are_typed_errors(llava, settings):
+    with pytest.raises(InvalidArgumentError, match="hicache"):
+        LLMEngine(llava[0], None, num_kv_slots=96, **settings)
+
+
+def test_numpy_ratios_work_and_a_refused_engine_leaves_no_writer_thread(llava, tmp_path):
+    import threading
+
+    LLMEngine(llava[0], None, num_kv_slots=96, hicache_ratio=np.float32(1.5))
+    LLMEngine(llava[0], None, num_kv_slots=96, hicache_ratio=np.int64(2))
+    writers = lambda: [t for t in threading.enumerate() if t.name == "minirad-hicache-writer"]  # noqa: E731
+    before = len(writers())
+    for _ in range(3):
+        with pytest.raises(InvalidArgumentError):
+            LLMEngine(
+                llava[0],
+                None,
+                num_kv_slots=96,
+                hicache_ratio=2,
+                hicache_storage_dir=tmp_path,
+                hicache_write_policy="bogus",
+            )
+    assert len(writers()) == before

@@ -357,8 +357,8 @@ class DataTransfer:
             ids.append(len(self.labels) - 1)
         return {"labels": torch.tensor(ids)}
 
-    def accepts(self, page) -> bool:
-        return set(page) == {"labels"}
+    def accepts(self, page, num_tokens) -> bool:
+        return set(page) == {"labels"} and len(page["labels"]) == num_tokens
 
     def write_host(self, host_slots, pages, offset) -> None:
         ids = torch.cat([p["labels"] for p in pages])[offset:].tolist()

@@ -35,6 +35,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
+import numbers
 import os
 import reprlib
 import threading
@@ -66,6 +68,7 @@ from minirad.kvcache.host_pool import make_host_pool
 from minirad.kvcache.kv_pool import KVCache, TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache
 from minirad.kvcache.tensor_transfer import TensorTransfer
+from minirad.kvcache.tiers import WRITE_POLICIES
 from minirad.models import PagedVLM, get_family, kv_cache_dims, load_model
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "available_devices", "resolve_device"]
@@ -110,8 +113,9 @@ class EngineConfig:
             (:class:`~minirad.kvcache.hiradix_cache.HiRadixCache`, SGLang's
             ``--enable-hierarchical-cache --hicache-ratio``; 2 is SGLang's default). None: no
             tiers, a plain :class:`~minirad.kvcache.radix_cache.RadixCache`.
-        hicache_write_policy: when the host gets a copy: ``"write_through"`` (every insert),
-            ``"write_through_selective"`` (once hot), ``"write_back"`` (on eviction).
+        hicache_write_policy: when the host gets a copy: ``"write_through"`` (every insert;
+            the default), ``"write_through_selective"`` (once hot), ``"write_back"`` (on
+            eviction). Needs ``hicache_ratio``.
         hicache_storage_dir: a folder for the disk tier (one safetensors file per page,
             :class:`~minirad.kvcache.hicache_storage.HiCacheFile`), shared by every engine
             of the same model that names it; needs ``hicache_ratio``. None: no disk tier.
@@ -136,7 +140,7 @@ class EngineConfig:
     prepack_weights: bool = True
     cascade_attention: bool = True
     hicache_ratio: float | None = None
-    hicache_write_policy: str = "write_through"
+    hicache_write_policy: str | None = None
     hicache_storage_dir: str | os.PathLike | None = None
 
 
@@ -177,14 +181,56 @@ def _resolve_config(config: EngineConfig | None, overrides: dict) -> EngineConfi
 
 
 def _check_hicache(cfg: EngineConfig) -> None:
-    """The tier settings' types (their values are checked where they are used)."""
-    ratio, folder = cfg.hicache_ratio, cfg.hicache_storage_dir
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float)):
-        raise InvalidArgumentError(f"hicache_ratio must be a number or None, got {ratio!r}")
+    """The tier settings, checked before anything is built (a disk tier starts a thread)."""
+    ratio, policy, folder = cfg.hicache_ratio, cfg.hicache_write_policy, cfg.hicache_storage_dir
+    if ratio is not None:
+        try:
+            ok = isinstance(ratio, numbers.Real) and not isinstance(ratio, bool)
+            ok = ok and math.isfinite(float(ratio)) and float(ratio) > 0
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise InvalidArgumentError(f"hicache_ratio must be a finite number > 0, got {ratio!r}")
+    if policy is not None and policy not in WRITE_POLICIES:
+        raise InvalidArgumentError(
+            f"hicache_write_policy must be one of {WRITE_POLICIES}, got {policy!r}"
+        )
     if folder is not None and not isinstance(folder, str | os.PathLike):
         raise InvalidArgumentError(f"hicache_storage_dir must be a path or None, got {folder!r}")
-    if folder is not None and ratio is None:
-        raise InvalidArgumentError("hicache_storage_dir needs hicache_ratio (a host tier)")
+    if ratio is None and (policy is not None or folder is not None):
+        raise InvalidArgumentError(
+            "hicache_write_policy and hicache_storage_dir need hicache_ratio (a host tier)"
+        )
+
+
+def _weights_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of every parameter's name, shape and 64 of its values spread over it: two
+    checkpoints of one architecture (a fine-tune) differ in it, at no cost worth counting."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            idx = torch.linspace(0, flat.numel() - 1, min(64, flat.numel())).long()
+            sample = flat[idx.to(flat.device)].float().cpu()
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_host_memory(num_bytes: int, ratio: float) -> None:
+    """Refuse a host pool larger than the memory this machine has free (SGLang refuses a
+    ``--hicache-size`` its host cannot hold, rather than being killed for it)."""
+    try:  # MemAvailable counts the page cache the kernel would give back; MemFree does not
+        with open("/proc/meminfo") as f:
+            line = next(ln for ln in f if ln.startswith("MemAvailable:"))
+        free = int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux: no check
+        return
+    if num_bytes > free:
+        raise InvalidArgumentError(
+            f"hicache_ratio {ratio:g} asks for a host pool of {num_bytes / 2**30:,.1f} GiB of KV; "
+            f"this machine has {free / 2**30:,.1f} GiB free"
+        )
 
 
 # Accelerator backends a device string may name, each a torch module with ``is_available()``
@@ -345,8 +391,10 @@ class LLMEngine:
         cfg = self.config
         if cfg.hicache_ratio is None:
             return RadixCache(cfg.page_size, cfg.eviction_policy, self.allocator, self.bus)
-        host_pool = make_host_pool(self.allocator, cfg.hicache_ratio)
-        kv = self.kv_cache
+        ratio, kv = float(cfg.hicache_ratio), self.kv_cache
+        host_pages = max(1, int(min(self.allocator.num_pages * ratio, 2.0**62)))
+        _check_host_memory(host_pages * cfg.page_size * kv.bytes_per_token, ratio)
+        host_pool = make_host_pool(self.allocator, ratio)
         self.host_kv_cache = KVCache(
             num_blocks=host_pool.num_pages,
             block_size=cfg.page_size,
@@ -354,22 +402,36 @@ class LLMEngine:
             **kv_cache_dims(model.config),
         )
         storage, fingerprint = None, ""
+        page_size = -(-32 // cfg.page_size) * cfg.page_size  # HiRadixCache's default
         if cfg.hicache_storage_dir is not None:
-            # Pages are for this model, dtype and layout only: another model's files miss.
+            # Pages are for these weights, dtype and layout only: another model's files miss.
             layout = f"{model.config.to_json_string()}|{self.dtype}|{kv.num_kv_heads}x{kv.head_dim}"
+            layout += f"|{page_size}|{_weights_fingerprint(model)}"
             fingerprint = hashlib.sha256(layout.encode()).hexdigest()[:32]
-            storage = HiCacheFile(cfg.hicache_storage_dir, fingerprint)
-        return HiRadixCache(
-            cfg.page_size,
-            cfg.eviction_policy,
-            self.allocator,
-            self.bus,
-            host_pool=host_pool,
-            write_policy=cfg.hicache_write_policy,
-            transfer=TensorTransfer(kv, self.host_kv_cache),
-            storage=storage,
-            storage_namespace=fingerprint if storage is not None else "",
-        )
+            max_bytes = page_size * kv.bytes_per_token + (1 << 16)  # the tensors and a header
+            try:
+                storage = HiCacheFile(
+                    cfg.hicache_storage_dir, fingerprint, max_page_bytes=max_bytes
+                )
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"hicache_storage_dir: {e}") from None
+        try:
+            return HiRadixCache(
+                cfg.page_size,
+                cfg.eviction_policy,
+                self.allocator,
+                self.bus,
+                host_pool=host_pool,
+                write_policy=cfg.hicache_write_policy or "write_through",
+                transfer=TensorTransfer(kv, self.host_kv_cache),
+                storage=storage,
+                storage_page_size=page_size,
+                storage_namespace=fingerprint,
+            )
+        except BaseException:
+            if storage is not None:
+                storage.close()  # its writer thread
+            raise
 
     def _scheduler_config(self) -> SchedulerConfig:
         cfg = self.config

@@ -224,7 +224,10 @@ class Scheduler:
             self.running.remove(request)
             self._release(request, insert=keep_kv)
         else:
-            self.waiting.remove(request)
+            if request in self.waiting:  # else caught mid-admission (a match that raised)
+                self.waiting.remove(request)
+            if request.last_node is not None:
+                self._release(request, insert=False)
         request.status = status
         return request
 

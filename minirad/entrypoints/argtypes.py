@@ -90,9 +90,12 @@ def positive_float(text: str) -> float:
     Raises:
         argparse.ArgumentTypeError: not a number, not positive or not finite.
     """
-    value = non_negative_float(text)
-    if value == 0.0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from e
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

@@ -332,6 +332,12 @@ class HiCacheFile:
         write_behind: ``set`` queues the page and returns; one daemon thread writes the queue in
             order. ``flush`` waits for it, ``close`` flushes and stops the thread. Until written,
             a queued page is served from memory. False writes in ``set``.
+        max_page_bytes: a file larger than this is a miss, never read (a page's size is
+            known: a 4 GB file named like one must not be loaded into memory). None: no cap.
+
+    The folder must be trusted: its files are checked against damage (a digest), not against
+    someone who writes a well-formed page of other KV there. The files are the user's own
+    (mode 0600): a server running as another user does not read them.
 
     Each file is written to a temporary name in the folder and renamed into place
     (``os.replace``), so a reader sees a whole file or none. The file's metadata holds the
@@ -356,7 +362,12 @@ class HiCacheFile:
     """
 
     def __init__(
-        self, folder: str | os.PathLike[str], fingerprint: str = "", *, write_behind: bool = True
+        self,
+        folder: str | os.PathLike[str],
+        fingerprint: str = "",
+        *,
+        write_behind: bool = True,
+        max_page_bytes: int | None = None,
     ) -> None:
         if not isinstance(folder, str | os.PathLike):
             raise InvalidArgumentError(f"folder must be a str or os.PathLike, got {folder!r}")
@@ -367,12 +378,24 @@ class HiCacheFile:
             raise InvalidArgumentError(f"fingerprint must be a str, got {fingerprint!r}")
         if not isinstance(write_behind, bool):
             raise InvalidArgumentError(f"write_behind must be a bool, got {write_behind!r}")
+        if max_page_bytes is not None and (type(max_page_bytes) is not int or max_page_bytes <= 0):
+            raise InvalidArgumentError(
+                f"max_page_bytes must be a positive int or None, got {max_page_bytes!r}"
+            )
+        if "\0" in path:
+            raise InvalidArgumentError(f"folder {path!r} holds a NUL character")
         try:
             os.makedirs(path, exist_ok=True)
+            # A write probe: a folder we cannot write to is refused now, not page by page.
+            fd, probe = tempfile.mkstemp(prefix=".probe", dir=path)
+            os.close(fd)
+            os.unlink(probe)
         except OSError as e:
             raise InvalidArgumentError(f"folder {path!r} is not a usable directory: {e}") from e
         self.folder = path
         self.fingerprint = fingerprint
+        self.max_page_bytes = max_page_bytes
+        self._write_failures = 0
         self.write_behind = write_behind
         self.notices: list[str] = []
         self.hits = 0
@@ -442,8 +465,13 @@ class HiCacheFile:
         path = os.path.join(self.folder, h + _SUFFIX)
         try:
             with open(path, "rb") as f:
-                sig = _sig(os.fstat(f.fileno()))
+                st = os.fstat(f.fileno())
+                sig = _sig(st)
                 if sig == rejected:  # the same bad file as before: no second notice
+                    return self._miss()
+                cap = self.max_page_bytes
+                if cap is not None and st.st_size > cap:
+                    self._reject(h, path, sig, _BadFile(f"{st.st_size} bytes, over {cap}", False))
                     return self._miss()
                 data = f.read()
         except FileNotFoundError:
@@ -586,7 +614,11 @@ class HiCacheFile:
         try:
             self._write(h, tensors)
         except Exception as e:
-            self._notice(f"page {h[:12]}: write failed: {e!r}; page dropped")
+            with self._lock:
+                self._write_failures += 1
+                n = self._write_failures
+            if n == 1 or n & (n - 1) == 0:  # 1, 2, 4, 8...: a full disk does not flood the log
+                self._notice(f"page {h[:12]}: write failed: {e!r}; page dropped ({n} so far)")
 
     def _write(self, h: str, tensors: dict[str, torch.Tensor]) -> None:
         """Serialize a page and move it into place atomically."""

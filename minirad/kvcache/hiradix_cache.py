@@ -28,6 +28,7 @@ here: asynchronous copies (SGLang overlaps them with compute; ours are synchrono
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -62,6 +63,8 @@ from minirad.kvcache.tokens import checked_token_ids
 
 if TYPE_CHECKING:
     from minirad.kvcache.hicache_storage import HiCacheStorage
+
+log = logging.getLogger(__name__)
 
 __all__ = ["WRITE_POLICIES", "HiMatchResult", "HiRadixCache", "HiTreeNode"]
 
@@ -354,7 +357,10 @@ class HiRadixCache(RadixCache):
         self.transfer.write_backup(device, host)
         self._record(BackupEvent, self.bus.time, path, host, "CPU")
         if self.storage is not None:
-            self._backup_storage(path[-1])
+            try:
+                self._backup_storage(path[-1])
+            except Exception:  # the disk is a cache: a page it did not keep is a later miss
+                log.exception("hicache storage: writing the pages of node %d failed", path[-1].id)
         return True
 
     def _alloc_host(self, num_tokens: int) -> list[int] | None:
@@ -436,15 +442,20 @@ class HiRadixCache(RadixCache):
             _check_extra_key(extra_key)
             key = self._aligned(key)
             node = self._match_all(key, buf, extra_key, hit=False)[2]
-        depth = node.depth
+        depth, ps = node.depth, self.storage_page_size
         _, hashes, first = self._storage_hit(list(key), extra_key, depth)
         pages = []
         for h in hashes:
-            data = self.storage.get(h)
-            if data is None or not self.transfer.accepts(data):
+            try:
+                data = self.storage.get(h)
+                ok = data is not None and self.transfer.accepts(data, ps)
+            except Exception:  # a storage backend's failure is a miss, never the request's
+                log.exception("hicache storage: reading page %s failed", h[:12])
+                ok = False
+            if not ok:
                 break  # a miss from here on: never KV of the wrong shape
             pages.append(data)
-        end = (first + len(pages)) * self.storage_page_size
+        end = (first + len(pages)) * ps
         if end <= depth or (node is not self.root_node and not self._write_backup(node)):
             return node, 0  # a host-only leaf needs a backed-up parent (backups are a prefix)
         node.host_lock_ref += 1  # making room on the host must not evict the parent
@@ -454,7 +465,12 @@ class HiRadixCache(RadixCache):
             node.host_lock_ref -= 1
         if host is None:
             return node, 0
-        self.transfer.write_host(host, pages, depth - first * self.storage_page_size)
+        try:
+            self.transfer.write_host(host, pages, depth - first * ps)
+        except Exception:
+            log.exception("hicache storage: copying %d pages to the host failed", len(pages))
+            self.host_pool.free(host)
+            return node, 0
         t = self.bus.tick()
         leaf = self._new_node(list(key[depth:end]), [], node, t, extra_key)
         leaf.value_buf = np.empty(0, dtype=np.int64)

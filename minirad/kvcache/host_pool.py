@@ -64,8 +64,9 @@ class KVTransfer(Protocol):
         """The KV of ``host_slots`` as one storage page."""
         ...
 
-    def accepts(self, page: Page) -> bool:
-        """Whether ``page`` (read from disk) has this cache's layout: names, shape, dtype."""
+    def accepts(self, page: Page, num_tokens: int) -> bool:
+        """Whether ``page`` (read from disk) has this cache's layout (names, shape, dtype) and
+        holds ``num_tokens`` tokens."""
         ...
 
     def write_host(self, host_slots: list[int], pages: Sequence[Page], offset: int) -> None:
@@ -85,7 +86,7 @@ class NoTransfer:
     def read_host(self, host_slots: list[int]) -> Page:
         return {}
 
-    def accepts(self, page: Page) -> bool:
+    def accepts(self, page: Page, num_tokens: int) -> bool:
         return True
 
     def write_host(self, host_slots: list[int], pages: Sequence[Page], offset: int) -> None:

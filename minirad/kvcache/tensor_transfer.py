@@ -53,16 +53,16 @@ class TensorTransfer:
         idx = torch.as_tensor(host_slots)
         return {"k": k[:, idx], "v": v[:, idx]}  # advanced indexing copies
 
-    def accepts(self, page: Page) -> bool:
+    def accepts(self, page: Page, num_tokens: int) -> bool:
         h = self.host
-        ok = isinstance(page, dict) and set(page) == {"k", "v"}
-        return ok and all(
-            isinstance(t, torch.Tensor)
-            and t.dtype == h.dtype
-            and t.dim() == 4
-            and (t.shape[0], t.shape[2], t.shape[3]) == (h.num_layers, h.num_kv_heads, h.head_dim)
-            and t.shape == page["k"].shape
-            for t in page.values()
+        want = (h.num_layers, num_tokens, h.num_kv_heads, h.head_dim)
+        return (
+            isinstance(page, dict)
+            and set(page) == {"k", "v"}
+            and all(
+                isinstance(t, torch.Tensor) and t.dtype == h.dtype and tuple(t.shape) == want
+                for t in page.values()
+            )
         )
 
     def write_host(self, host_slots: list[int], pages: Sequence[Page], offset: int) -> None:
