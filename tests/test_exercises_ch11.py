@@ -19,13 +19,13 @@ POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 def oracle_q1() -> tuple[int, int]:
-    """B splits A after their common prefix; B was matched last, so A's tail is the least
-    recently used device leaf, and write-through gave it a host copy: evict(6) demotes it (it
-    holds 6 tokens, enough). The query then walks the prefix on the device and A's tail on the
-    host; its own extra tokens were never cached."""
+    """B splits A after their common prefix; A was matched last, so B's tail is the least
+    recently used device leaf, and write-through gave it a host copy: evict(4) demotes it
+    (whole: it holds 6 tokens, enough). The query then walks the prefix on the device and B's
+    tail on the host; its own extra tokens were never cached."""
     common = common_len(ch11.Q1_A, ch11.Q1_B)
-    assert len(ch11.Q1_A) - common >= 6
-    return common, len(ch11.Q1_A) - common
+    assert len(ch11.Q1_B) - common >= 4
+    return common, len(ch11.Q1_B) - common
 
 
 def oracle_q2() -> dict[str, int]:
@@ -35,10 +35,11 @@ def oracle_q2() -> dict[str, int]:
     return {
         # every insert copies its path: the distinct tokens of A and B
         "write_through": len(a) + len(b) - common,
-        # two matches of A make both nodes of A's path hot: copied; B's leaf is never hit,
-        # is the least recently used leaf when evict(6) runs, and goes without a copy
+        # B's insert makes the shared prefix hot (its second insert), A's second insert A's
+        # tail: both copied; B's leaf, inserted once, is the least recently used leaf when
+        # evict(6) runs, and goes without a copy
         "write_through_selective": len(a),
-        # nothing is copied until evict(6) takes B's leaf (A was matched after B's insert);
+        # nothing is copied until evict(6) takes B's leaf (A came back after B's insert);
         # its copy includes the shared prefix
         "write_back": len(b),
     }
@@ -93,8 +94,8 @@ def diagnosed() -> list:
         (ch11.q1, [device], "expected 2 ints"),
         (ch11.q1, "6, 6", "expected 2 ints (len(indices), host_hit_length), got str"),
         (ch11.q2, _with(q2, "write_through", q2["write_through"] - 10), "distinct tokens"),
-        (ch11.q2, _with(q2, "write_through_selective", q2["write_through"]), "never matched"),
-        (ch11.q2, _with(q2, "write_through_selective", 0), "matched twice"),
+        (ch11.q2, _with(q2, "write_through_selective", q2["write_through"]), "inserted once"),
+        (ch11.q2, _with(q2, "write_through_selective", 0), "inserted twice"),
         (ch11.q2, _with(q2, "write_back", 0), "a copy needs its prefix"),
         (ch11.q2, _with(q2, "write_back", 10), "shared prefix included"),
         (ch11.q2, [22, 12, 16], "expected a dict with the keys"),

@@ -91,16 +91,19 @@ def test_write_through_backs_up_on_insert():
 
 
 def test_write_through_selective_backs_up_at_the_threshold():
+    """SGLang's rule: a node's hits are counted in inserts (requests that cache it), not in
+    matches; the second insert over a node backs it up."""
     cache, alloc = make(write_policy="write_through_selective", write_through_threshold=2)
     put(cache, alloc, A)
-    assert not cache.match_prefix(A).last_node.backuped  # one hit
-    node = cache.match_prefix(A).last_node  # two hits
-    assert node.backuped
+    cache.match_prefix(A)
+    cache.match_prefix(A)
+    assert not cache.match_prefix(A).last_node.backuped  # matches do not count
+    put(cache, alloc, B)  # the second insert over A's first 6 tokens
+    leaf = cache.match_prefix(B).last_node
+    assert not leaf.backuped and leaf.parent.backuped and cache.host_size() == 6
     put(cache, alloc, B)
-    leaf = cache.match_prefix(B).last_node  # B's tail: one hit; its parent: backed up
-    assert not leaf.backuped and leaf.parent.backuped
-    cache.match_prefix(B)
-    assert leaf.backuped
+    assert leaf.backuped and cache.host_size() == 12
+    put(cache, alloc, A)
     assert cache.host_size() == len(A) + 6
 
 

@@ -205,14 +205,18 @@ def test_an_insert_over_host_only_nodes_marks_them_recomputed():
 
 
 def test_selective_write_through_backs_up_hot_nodes_only():
-    cache, alloc, builder = make(write_policy="write_through_selective", write_through_threshold=2)
+    cache, alloc, builder = make(
+        size=40, write_policy="write_through_selective", write_through_threshold=2
+    )
     put(cache, alloc, A)
     put(cache, alloc, C)
     check(builder.frames[-1], cache)
     assert not marks_since(builder, 0)
     n = len(builder.frames)
     for _ in range(2):
-        cache.match_prefix(A)
+        cache.match_prefix(A)  # matches do not count (SGLang counts a node's inserts)
+    assert not marks_since(builder, n)
+    put(cache, alloc, A)  # a second request caches A: hot
     check(builder.frames[-1], cache)
     [(node, mark)] = marks_since(builder, n)
     assert mark == "backed_up"

@@ -275,6 +275,7 @@ def _legend(y: int, forced: bool, tiered: bool = False) -> list[str]:
         tiers = [("host-only", *HOST_ONLY)]
         where = {"device": "on device", "host": "in host pool", "disk": "on disk"}
         tiers += [(f"{CHIP_TEXT[t]}: {where[t]}", c, c) for t, c in TIER_COLORS.items()]
+        tiers += [("host cell: a backup", *HOST), ("copied this frame", "#ffffff", TIER_NEW)]
         rows.append(tiers)
     out = []
     for row in rows:

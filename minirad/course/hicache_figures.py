@@ -151,7 +151,8 @@ def tier_hits_chart(
         total = dev[i] + from_host[i] + from_disk[i]
         ax.text(i, total / 2, f"{total:.1%}", ha="center", color="white", fontsize=8)
     ax.set_xticks(list(x), labels)
-    ax.set(ylim=(0, 1.2), ylabel="hit rate (prompt tokens)", title=title)
+    ax.set(ylim=(0, 1.15), ylabel="hit rate, % of prompt tokens", title=title)
+    ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0], ["0%", "25%", "50%", "75%", "100%"])
     ax.legend(frameon=False, fontsize=7, loc="upper left", ncol=3)
     fig.tight_layout()
     return fig

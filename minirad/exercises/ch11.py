@@ -80,9 +80,9 @@ def _int_dict(answer: object, keys: tuple[str, ...], example: str) -> dict[str, 
 
 # ----------------------------------------------------------------------------------------- q1
 Q1_DEVICE = 32  # device pool, tokens; the host pool is twice that
-Q1_A = list(range(1, 13))
-Q1_B = Q1_A[:6] + list(range(20, 26))
-Q1_QUERY = Q1_A + [50, 51]
+Q1_A = list(range(1, 17))
+Q1_B = Q1_A[:10] + list(range(30, 36))
+Q1_QUERY = Q1_B + [50, 51]
 
 
 @functools.cache
@@ -90,8 +90,8 @@ def _q1() -> tuple[int, int]:
     cache, alloc = _cache(Q1_DEVICE, hicache_ratio=2)
     _put(cache, alloc, Q1_A)
     _put(cache, alloc, Q1_B)
-    cache.match_prefix(Q1_B)
-    cache.evict(6)
+    cache.match_prefix(Q1_A)
+    cache.evict(4)
     m = cache.match_prefix(Q1_QUERY)
     return len(m.indices), m.host_hit_length
 
@@ -104,19 +104,19 @@ def _check_q1(answer: object) -> str | None:
     device, host = expected
     if got == (device, 0):
         return (
-            "that is a RadixCache's answer, where an evicted leaf is gone; here A's tail had a "
+            "that is a RadixCache's answer, where an evicted leaf is gone; here B's tail had a "
             "host copy (write-through), so evict only demoted it"
         )
     if got == (device + host, 0):
         return (
-            "match_prefix(B) made B's leaf the most recently used: the least recently used "
-            "device leaf is A's tail"
+            "match_prefix(A) made A's leaf the most recently used: the least recently used "
+            "device leaf is B's tail, and evict(4) takes all of it (a node goes whole)"
         )
     if got == (host, device):
         return "swapped: the device part comes first on the path, the host-only part after it"
     if got[0] + got[1] == len(Q1_QUERY):
         return (
-            f"the last {len(Q1_QUERY) - len(Q1_A)} tokens of the query were never inserted: "
+            f"the last {len(Q1_QUERY) - len(Q1_B)} tokens of the query were never inserted: "
             "no tier holds them"
         )
     return (
@@ -131,24 +131,24 @@ from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
 
 alloc = TokenToKVPoolAllocator(32)
 cache = HiRadixCache(token_to_kv_pool_allocator=alloc, hicache_ratio=2)
-A = list(range(1, 13))
-B = A[:6] + list(range(20, 26))
+A = list(range(1, 17))
+B = A[:10] + list(range(30, 36))
 for key in (A, B):
     value = alloc.alloc(len(key))
     alloc.free(value[: cache.insert(key, value)])
-cache.match_prefix(B)
-cache.evict(6)
-m = cache.match_prefix(A + [50, 51])
+cache.match_prefix(A)
+cache.evict(4)
+m = cache.match_prefix(B + [50, 51])
 answer = (len(m.indices), m.host_hit_length)
-# (6, 6): B splits A after 6 tokens. B was matched last, so A's 6-token tail is the least
-# recently used device leaf; it has a host copy (write-through), so it is demoted, not deleted.
-# The query walks the shared 6 tokens on the device, then A's tail on the host; 50 and 51
-# were never cached."""
+# (10, 6): B splits A after 10 tokens. A was matched last, so B's 6-token tail is the least
+# recently used device leaf; evict(4) takes it whole, and since it has a host copy
+# (write-through) it is demoted, not deleted. The query walks the shared 10 tokens on the
+# device, then B's tail on the host; 50 and 51 were never cached."""
 
 q1 = Exercise(
     "q1 host hits",
     _check_q1,
-    "Draw the tree after the inserts: B splits A after 6 tokens. Which device leaf was used "
+    "Draw the tree after the inserts: B splits A after 10 tokens. Which device leaf was used "
     "least recently? Under write-through it has a host copy, so evict demotes it: the node "
     "stays, host-only.",
     Q1_SOLUTION,
@@ -165,8 +165,7 @@ def _q2(policy: str, threshold: int = 2) -> int:
     cache, alloc = _cache(write_policy=policy, write_through_threshold=threshold)
     _put(cache, alloc, Q2_A)
     _put(cache, alloc, Q2_B)
-    cache.match_prefix(Q2_A)
-    cache.match_prefix(Q2_A)
+    _put(cache, alloc, Q2_A)  # a second request over A's path
     cache.evict(6)
     return cache.host_size()
 
@@ -185,15 +184,16 @@ def _check_q2(answer: object) -> str | None:
     if sel != expected["write_through_selective"]:
         if sel == expected["write_through"]:
             return (
-                "write_through_selective backs a node up only once matches have hit it twice; "
-                "B was never matched, and when evict takes B's leaf it has no copy: deleted"
+                "write_through_selective backs a node up only once two requests have inserted "
+                "it; B's own tokens were inserted once, and when evict takes B's leaf it has "
+                "no copy: deleted"
             )
         if sel == 0:
             return (
-                "write_through_selective: A was matched twice, so both nodes on its path "
-                "became hot and were backed up at the second match"
+                "write_through_selective: the shared prefix was inserted twice (A's request, "
+                "then B's), and A's tail too once A came back: both are hot, and backed up"
             )
-        return "write_through_selective: which nodes did two matches hit?"
+        return "write_through_selective: which nodes did two requests insert?"
     if wb == 0:
         return (
             "write_back copies a node when the device evicts it: evict(6) takes B's leaf, and "
@@ -218,21 +218,22 @@ for policy in ("write_through", "write_through_selective", "write_back"):
     for key in (A, B):
         value = alloc.alloc(len(key))
         alloc.free(value[: cache.insert(key, value)])
-    cache.match_prefix(A)
-    cache.match_prefix(A)
+    value = alloc.alloc(len(A))  # A again: a second request over A's path
+    alloc.free(value[: cache.insert(A, value)])
     cache.evict(6)
     answer[policy] = cache.host_size()
 # {'write_through': 22, 'write_through_selective': 12, 'write_back': 16}. write_through copies
-# everything at insert: 6 shared + 6 of A + 10 of B. selective copies A's path (12) at the
-# second match; B's leaf, never hot, has no copy and evict(6) deletes it. write_back copies
-# only at eviction: B's leaf (the least recently used) with its prefix, 6 + 10."""
+# everything at insert: 6 shared + 6 of A + 10 of B. selective counts inserts (SGLang's
+# hit_count): B's insert makes the shared 6 hot, A's second insert A's tail (12 in all); B's
+# leaf, inserted once, has no copy and evict(6) deletes it. write_back copies only at
+# eviction: B's leaf (the least recently used) with its prefix, 6 + 10."""
 
 q2 = Exercise(
     "q2 three write policies",
     _check_q2,
-    "write_through copies at every insert; write_through_selective once two matches have hit "
-    "a node; write_back when the device evicts a node. A copy always includes the node's "
-    "prefix. Which leaf does evict(6) take after A's two matches?",
+    "write_through copies at every insert; write_through_selective once two requests have "
+    "inserted a node (matches do not count); write_back when the device evicts a node. A copy "
+    "always includes the node's prefix. Which leaf does evict(6) take after A comes back?",
     Q2_SOLUTION,
 )
 

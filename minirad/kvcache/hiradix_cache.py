@@ -4,8 +4,9 @@ Each node holds its KV on the device (``value``), in the host pool (``host_value
 Device slots are scarce; host slots are ``hicache_ratio`` times as many. The rules:
 
 - **Backups.** A node is *backed up* once its KV is copied to host slots. ``write_through``
-  backs a node up as soon as it is inserted, ``write_through_selective`` once a match has hit it
-  ``write_through_threshold`` times, ``write_back`` only when it is evicted from the device.
+  backs a node up as soon as it is inserted, ``write_through_selective`` once
+  ``write_through_threshold`` requests have inserted it (its ``insert_count``: SGLang counts
+  a node's hits in its insert, not in a match), ``write_back`` only when the device evicts it.
   A backup always covers the path from the root: backed-up nodes form a contiguous prefix.
 - **Demotion.** Evicting a backed-up node from the device frees its device slots but keeps the
   node, host-only. An evicted node that was never backed up is deleted, as in RadixCache.
@@ -125,7 +126,8 @@ class HiRadixCache(RadixCache):
         host_pool: the host pool; by default one ``hicache_ratio`` times the device pool.
         hicache_ratio: host pool size over device pool size (SGLang's default, 2).
         write_policy: one of :data:`WRITE_POLICIES`.
-        write_through_threshold: matches that make ``write_through_selective`` back a node up.
+        write_through_threshold: inserts (requests) that make ``write_through_selective`` back
+            a node up (SGLang's default 2).
         load_back_threshold: fewer host-only tokens than this are not loaded back.
         transfer: performs the copies (default: :class:`NoTransfer`).
         storage: the disk tier (L3), or None. Backed-up paths are written to it page by page;
@@ -229,17 +231,11 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ match
     def _match_all(self, key, buf, extra_key, hit: bool) -> tuple[list[int], TreeNode, TreeNode]:
-        """Device slots, deepest device node and deepest node of a match; backs up what
-        ``write_through_selective`` now finds hot."""
+        """Device slots, deepest device node and deepest node of a match."""
         indices, node = super()._match(key, buf, extra_key, hit)  # host-only nodes add no slots
         device = node
         while device.evicted:
             device = device.parent
-        if hit and self.write_policy == "write_through_selective":
-            hot = device  # hit counts never grow down a path: find the deepest hot node
-            while hot is not self.root_node and hot.hit_count < self.write_through_threshold:
-                hot = hot.parent
-            self._write_backup(hot)
         return indices, device, node
 
     def _match(self, key, buf, extra_key, hit: bool) -> MatchResult:
@@ -322,8 +318,16 @@ class HiRadixCache(RadixCache):
             self._record(LoadBackEvent, self.bus.time, revived, value[d:i], True)
             allocated = True  # value[i:] was checked above
         super()._insert(key, buf, value, slots, extra_key, priority, inserted_len, allocated)
-        if self.write_policy == "write_through" and key:
-            self._write_backup(self._walk(key, buf, extra_key)[0][-1])
+        if self.write_policy != "write_back" and key:
+            hot = self._walk(key, buf, extra_key)[0][-1]
+            # Insert counts never grow down a path: back up to the deepest node that is hot.
+            while (
+                self.write_policy == "write_through_selective"
+                and hot is not self.root_node
+                and hot.insert_count < self.write_through_threshold
+            ):
+                hot = hot.parent
+            self._write_backup(hot)
         return d
 
     def _set_device(self, node: TreeNode, value: list[int], value_buf: np.ndarray) -> None:

@@ -16,6 +16,7 @@ out as a storage page and writes pages read from the disk tier into host slots.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,13 +38,21 @@ def make_host_pool(
     """A host pool ``hicache_ratio`` times the size of ``device_pool`` (whole pages, at least
     one), with its page size. It has a private event bus: its events are not the device pool's.
 
+    SGLang refuses a host pool no larger than the device pool (ratio <= 1: the host would
+    mostly hold copies of what the device has); it is allowed here, to show why.
+
     Raises:
-        InvalidArgumentError: ``hicache_ratio`` is not a positive number.
+        InvalidArgumentError: ``hicache_ratio`` is not a finite number > 0.
     """
-    if isinstance(hicache_ratio, bool) or not isinstance(hicache_ratio, int | float):
-        raise InvalidArgumentError(f"hicache_ratio must be a number, got {hicache_ratio!r}")
-    if not math.isfinite(hicache_ratio) or hicache_ratio <= 0:
-        raise InvalidArgumentError(f"hicache_ratio must be > 0, got {hicache_ratio!r}")
+    bad = f"hicache_ratio must be a finite number > 0, got {hicache_ratio!r}"
+    if isinstance(hicache_ratio, bool) or not isinstance(hicache_ratio, numbers.Real):
+        raise InvalidArgumentError(bad)
+    try:
+        ok = math.isfinite(float(hicache_ratio)) and hicache_ratio > 0
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise InvalidArgumentError(bad)
     ps = device_pool.page_size
     pages = max(1, int(device_pool.num_pages * hicache_ratio))
     return TokenToKVPoolAllocator(pages * ps, ps)
