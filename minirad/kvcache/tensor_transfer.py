@@ -38,9 +38,12 @@ class TensorTransfer:
 
     @classmethod
     def _copy(cls, src: KVCache, src_slots, dst: KVCache, dst_slots) -> None:
-        s, d = torch.as_tensor(src_slots), torch.as_tensor(dst_slots)
+        """Gather on the source's device, move once, scatter on the destination's (a CUDA
+        device pool and a CPU host pool: one transfer per tensor)."""
         for a, b in zip(cls._flat(src), cls._flat(dst), strict=True):
-            b[:, d] = a[:, s]
+            s = torch.as_tensor(src_slots, device=a.device)
+            d = torch.as_tensor(dst_slots, device=b.device)
+            b[:, d] = a[:, s].to(b.device)
 
     def write_backup(self, device_slots: list[int], host_slots: list[int]) -> None:
         self._copy(self.device, device_slots, self.host, host_slots)
