@@ -52,6 +52,7 @@ __all__ = [
     "ResetEvent",
     "SplitEvent",
     "StepEvent",
+    "TIER_EVENTS",
     "TouchEvent",
     "UnlockEvent",
     "event_from_dict",
@@ -390,6 +391,15 @@ class PrefetchEvent(Event):
         )
 
 
+# A hierarchical cache's moves between its tiers (HiRadixCache).
+TIER_EVENTS: tuple[type[Event], ...] = (
+    BackupEvent,
+    DemoteEvent,
+    LoadBackEvent,
+    HostEvictEvent,
+    PrefetchEvent,
+)
+
 _EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -407,11 +417,7 @@ _EVENT_TYPES: dict[str, type[Event]] = {
         BlockRemovedEvent,
         StepEvent,
         JumpForwardEvent,
-        BackupEvent,
-        DemoteEvent,
-        LoadBackEvent,
-        HostEvictEvent,
-        PrefetchEvent,
+        *TIER_EVENTS,
     )
 }
 

@@ -158,13 +158,18 @@ def test_batch_prints_answers_and_cache_stats(tiny_dir, capsys):
     assert int(stat(none, "prefill tokens").split()[0]) > computed
 
 
-def test_batch_with_a_tight_pool_preempts_and_still_answers(tiny_dir, capsys):
+def roomy_batch(tiny_dir, capsys) -> tuple[list[str], str, int]:
+    """ROWS through ``minirad batch`` on the default pool: its argv, output and peak slots."""
     root, _, _ = tiny_dir
     jsonl = write_jsonl(root / "requests.jsonl", ROWS)
     argv = ["batch", str(jsonl), "--model", str(root / "model"), "--max-new-tokens", str(MAX_NEW)]
     assert main(argv) == 0
     roomy = capsys.readouterr().out
-    peak = int(stat(roomy, "KV slots at peak").split()[0])
+    return argv, roomy, int(stat(roomy, "KV slots at peak").split()[0])
+
+
+def test_batch_with_a_tight_pool_preempts_and_still_answers(tiny_dir, capsys):
+    argv, roomy, peak = roomy_batch(tiny_dir, capsys)
     assert main(argv + ["--num-kv-slots", str(peak - 8)]) == 0
     tight = capsys.readouterr().out
     assert tight.split("\n\n")[0] == roomy.split("\n\n")[0]  # the same answers
@@ -175,12 +180,7 @@ def test_batch_with_a_tight_pool_preempts_and_still_answers(tiny_dir, capsys):
 def test_batch_with_a_host_tier_answers_the_same_and_counts_host_hits(tiny_dir, capsys):
     """A pool too small to keep the first image's prompt while the second runs: with a host
     tier the fourth line finds it there (the summary's by-source row), answers unchanged."""
-    root, _, _ = tiny_dir
-    jsonl = write_jsonl(root / "requests.jsonl", ROWS)
-    argv = ["batch", str(jsonl), "--model", str(root / "model"), "--max-new-tokens", str(MAX_NEW)]
-    assert main(argv) == 0
-    roomy = capsys.readouterr().out
-    peak = int(stat(roomy, "KV slots at peak").split()[0])
+    argv, roomy, peak = roomy_batch(tiny_dir, capsys)
     tight = argv + ["--num-kv-slots", str(peak // 2)]
     assert main(tight + ["--enable-hierarchical-cache", "--hicache-ratio", "4"]) == 0
     tiered = capsys.readouterr().out

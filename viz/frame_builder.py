@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from minirad.events import (
+    TIER_EVENTS,
     AllocEvent,
     BackupEvent,
     DemoteEvent,
@@ -90,11 +91,7 @@ _NOTABLE = (
     EvictEvent,
     ResetEvent,
     JumpForwardEvent,
-    BackupEvent,
-    DemoteEvent,
-    LoadBackEvent,
-    HostEvictEvent,
-    PrefetchEvent,
+    *TIER_EVENTS,
 )
 
 
