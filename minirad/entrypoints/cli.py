@@ -54,8 +54,11 @@ from minirad.errors import (
     MiniradError,
     RequestError,
 )
+from minirad.kvcache.eviction import POLICIES as EVICTION_POLICIES
 from minirad.kvcache.tiers import DEFAULT_HICACHE_RATIO, WRITE_POLICIES
 from minirad.peers.vllm_server import DEFAULT_MODEL_DIR
+
+CACHE_DESIGNS = ("radix", "block")  # explain_trace.CACHE_DESIGNS, named without torch here
 
 if TYPE_CHECKING:  # the engine imports torch and transformers: only the commands load it
     from minirad.engine import GenerateRequest, LLMEngine, RequestOutput
@@ -667,6 +670,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from minirad.entrypoints.explain import run_explain
+
+    return run_explain(args)
+
+
 def _kv_events_endpoint(value: str | None) -> str | None:
     """A bare port means that port on loopback (``"5557"``: ``"tcp://127.0.0.1:5557"``)."""
     if value is not None and value.isdigit():
@@ -861,6 +870,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per published block (default: vLLM's CPU block size, 32)",
     )
     s.set_defaults(run=_serve)
+
+    x = sub.add_parser(
+        "explain",
+        help="why each request of a trace hit or missed the cache (no model run)",
+        formatter_class=fmt,
+        description="Replay a JSONL trace, one request at a time, through a radix cache "
+        "(SGLang's) or a block cache (vLLM's) and label every prompt token with its cause: "
+        "hit, last_token, evicted, block_floor, first_seen (minirad.kv_events.miss_causes). "
+        'Lines: {"prompt_token_ids": [...]} or {"messages": [...]} (OpenAI chat; needs '
+        "--model's processor, not its weights).",
+    )
+    x.add_argument("trace", help="JSONL file: one request per line")
+    x.add_argument("--cache", choices=CACHE_DESIGNS, default="radix", help="cache design")
+    x.add_argument("--capacity", type=positive_int, default=4096, help="cache size in tokens")
+    x.add_argument("--page-size", type=positive_int, default=1, help="radix cache page size")
+    x.add_argument("--block-size", type=positive_int, default=16, help="block cache block size")
+    x.add_argument(
+        "--policy", choices=tuple(EVICTION_POLICIES), default="lru", help="radix cache eviction"
+    )
+    x.add_argument("--model", default=None, help="model folder for chat lines (its processor)")
+    x.add_argument("--json", action="store_true", help="one JSON line per request")
+    x.set_defaults(run=_explain)
     return parser
 
 

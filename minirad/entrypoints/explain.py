@@ -1,0 +1,177 @@
+"""``minirad explain TRACE.jsonl``: why each request of a trace hit or missed the cache.
+
+Each line of the trace is ``{"prompt_token_ids": [...]}`` or ``{"messages": [...]}`` (OpenAI
+chat messages, images as ``image_url`` parts: data URLs or paths relative to the trace's
+folder), rendered with ``--model``'s chat template and processor (no weights are loaded).
+The requests are replayed one at a time through a radix or block cache
+(:func:`~minirad.kv_events.explain_trace.explain_trace`); the command prints the prompt tokens
+per cause, the requests that missed most and why, or with ``--json`` one line per request.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from minirad.errors import InvalidArgumentError, RequestError
+
+__all__ = ["format_report", "load_trace", "run_explain"]
+
+
+def _messages_prompt(line: dict, where: str, processor, media) -> tuple[str, list]:
+    """A chat line's prompt text and images, as a server would build them."""
+    from minirad.entrypoints.chat_utils import chat_template, image_from_url
+
+    messages, images = [], []
+    for m in line["messages"]:
+        if not isinstance(m, dict) or "role" not in m:
+            raise RequestError(f"{where}: each message needs a 'role'")
+        content = m.get("content", "")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    parts.append({"type": "text", "text": str(part.get("text", ""))})
+                elif kind == "image_url":
+                    url = part.get("image_url")
+                    url = str(url.get("url", "") if isinstance(url, dict) else url)
+                    name = url.removeprefix("file://")
+                    if url and not url.startswith("data:") and not Path(name).is_absolute():
+                        url = str(media.path / name)  # relative to the trace's folder
+                    images.append(image_from_url(url, media))
+                    parts.append({"type": "image"})
+                else:
+                    raise RequestError(f"{where}: a content part of type {kind!r}")
+            content = parts
+        messages.append({"role": m["role"], "content": content})
+    return chat_template(processor, messages), images
+
+
+def load_trace(path: str | Path, model: str | None = None) -> tuple[list[list[int]], int | None]:
+    """The trace's prompts as radix keys (images as their pad ids), and the vocabulary size
+    when a model was needed (None for token-id lines only).
+
+    Raises:
+        InvalidArgumentError: the file cannot be read, or a line is not one of the two forms.
+        RequestError, ImageError: a chat line the model's processor refuses.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"cannot read {path}: {e}") from None
+    processor = media = None
+    prompts: list[list[int]] = []
+    vocab_size = None
+    for number, text in enumerate(lines, start=1):
+        where = f"{path}:{number}"
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except ValueError as e:
+            raise InvalidArgumentError(f"{where}: not JSON ({e})") from None
+        if not isinstance(line, dict):
+            raise InvalidArgumentError(f"{where}: a line must be a JSON object")
+        if "prompt_token_ids" in line:
+            ids = line["prompt_token_ids"]
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(type(t) is int and t >= 0 for t in ids)
+            ):
+                raise InvalidArgumentError(
+                    f"{where}: 'prompt_token_ids' must be a non-empty list of ints >= 0"
+                )
+            prompts.append(ids)
+        elif isinstance(line.get("messages"), list):
+            if processor is None:
+                processor, media = _chat_processor(model, path.parent)
+                vocab_size = processor.vocab_size
+            prompt, images = _messages_prompt(line, where, processor.processor, media)
+            prompts.append(processor.process(prompt, images).key_ids)
+        else:
+            raise InvalidArgumentError(
+                f"{where}: a line needs 'prompt_token_ids' (a list) or 'messages' (a list)"
+            )
+    if not prompts:
+        raise InvalidArgumentError(f"{path}: no requests")
+    return prompts, vocab_size
+
+
+def _chat_processor(model: str | None, folder: Path):
+    """The model's input processor (tokenizer, chat template, image processor), without its
+    weights."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from minirad.engine.media import MediaFolder
+    from minirad.engine.processing import InputProcessor
+    from minirad.models import DEFAULT_MODEL_DIR, get_family
+
+    model = model or str(DEFAULT_MODEL_DIR)
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        processor = AutoProcessor.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(f"--model {model!r}: cannot load its processor: {e}") from None
+    family = get_family(config)
+    text = getattr(config, "text_config", config)
+    return (
+        InputProcessor(processor, config.image_token_id, text.vocab_size, family.image_input_names),
+        MediaFolder(folder),
+    )
+
+
+def format_report(explained, totals: dict[str, int], worst: int = 5) -> str:
+    """Tokens per cause, the hit rate, and the ``worst`` requests by tokens missed."""
+    prompt = sum(e.num_tokens for e in explained)
+    lines = [f"{len(explained)} requests, {prompt:,} prompt tokens", ""]
+    width = max(map(len, totals))
+    for cause, n in totals.items():
+        share = n / prompt if prompt else 0.0
+        lines.append(f"  {cause:<{width}}  {n:>10,}  {share:6.1%}")
+    lines += ["", f"hit rate {totals['hit'] / prompt:.1%}" if prompt else "hit rate -"]
+    missed = sorted(explained, key=lambda e: e.tokens("hit") - e.num_tokens)[:worst]
+    if missed and missed[0].num_tokens > missed[0].tokens("hit"):
+        lines += ["", f"requests that missed most (of {len(explained)}):"]
+        for e in missed:
+            if e.num_tokens == e.tokens("hit"):
+                break
+            runs = ", ".join(
+                f"{r.start}-{r.end} {r.cause}{_detail(r.detail)}"
+                for r in e.runs
+                if r.cause != "hit"
+            )
+            lines.append(f"  request {e.request}: {e.num_tokens - e.tokens('hit')} missed: {runs}")
+    return "\n".join(lines)
+
+
+def _detail(detail: dict) -> str:
+    if "by_request" in detail:
+        return f" (by request {detail['by_request']} at time {detail['time']}, {detail['policy']})"
+    if "at" in detail:
+        return f" (token {detail['token']} where earlier prompts had {detail['seen_next']})"
+    return ""
+
+
+def run_explain(args, out=print) -> int:
+    """The ``explain`` command: replay, then the report (or one JSON line per request)."""
+    from minirad.kv_events.explain_trace import explain_trace, totals
+
+    prompts, vocab_size = load_trace(args.trace, args.model)
+    explained = explain_trace(
+        prompts,
+        cache=args.cache,
+        capacity=args.capacity,
+        page_size=args.page_size,
+        block_size=args.block_size,
+        policy=args.policy,
+        vocab_size=vocab_size,
+    )
+    if args.json:
+        for e in explained:
+            out(json.dumps(e.to_dict()))
+    else:
+        out(format_report(explained, totals(explained)))
+    return 0

@@ -1,0 +1,158 @@
+"""Why each request missed (issue 33): every prompt token's cause, on scripted traces whose
+causes are known by construction, on both cache designs, and on random traces against an oracle
+that knows only the prompts (longest common prefixes) and the page or block size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minirad.entrypoints.cli import main
+from minirad.errors import InvalidArgumentError
+from minirad.kv_events.explain_trace import explain_trace, totals
+from minirad.kv_events.miss_causes import CAUSES
+
+A = list(range(100, 120))  # 20 tokens: five pages or blocks of 4
+X = list(range(200, 206))
+B = list(range(300, 330))  # 30 tokens: the whole cache of 32 (eight pages or blocks)
+TRACE = [A, A, A[:12] + X, B, A, B]
+
+
+def spans(e) -> list[tuple[int, int, str]]:
+    return [(r.start, r.end, r.cause) for r in e.runs]
+
+
+@pytest.mark.parametrize("cache", ["radix", "block"])
+def test_every_cause_on_a_scripted_trace(cache):
+    """Request by request, with a cache of 32 tokens in pages (blocks) of 4:
+    0: A is new. 1: A again: 16 served, its last page recomputed (a hit stops at len - 1).
+    2: A's first 12 tokens, then X: new from token 12, where A had 112.
+    3: B fills the whole cache: everything else is evicted, B is new.
+    4: A again: evicted by request 3.
+    5: B again: the radix tree lost all of B to request 4 (B's one leaf); the block cache lost
+       only the blocks request 4 took (B's tail first), and never had B's 2-token tail."""
+    ex = explain_trace(TRACE, cache=cache, capacity=32, page_size=4, block_size=4)
+    assert spans(ex[0]) == [(0, 20, "first_seen")]
+    assert spans(ex[1]) == [(0, 16, "hit"), (16, 20, "last_token")]
+    assert spans(ex[2]) == [(0, 12, "hit"), (12, 18, "first_seen")]
+    assert ex[2].runs[1].detail == {"at": 12, "token": 200, "seen_next": [112]}
+    assert spans(ex[3]) == [(0, 30, "first_seen")]
+    assert spans(ex[4]) == [(0, 20, "evicted")]
+    assert ex[4].runs[0].detail["by_request"] == 3 and ex[4].runs[0].detail["policy"] == "lru"
+    if cache == "radix":
+        assert spans(ex[5]) == [(0, 28, "evicted"), (28, 30, "block_floor")]
+        evicted = ex[5].runs[0]
+    else:
+        assert spans(ex[5]) == [(0, 12, "hit"), (12, 28, "evicted"), (28, 30, "block_floor")]
+        evicted = ex[5].runs[1]
+    assert evicted.detail["by_request"] == 4
+    assert all(totals(ex)[c] > 0 for c in CAUSES)
+
+
+def test_an_image_fork_is_named_in_the_detail():
+    vocab = 1000  # pad ids (one per image) are >= the vocabulary size
+    img1, img2 = [5000] * 8, [6000] * 8
+    ex = explain_trace([[1, 2, *img1, 3], [1, 2, *img2, 3]], vocab_size=vocab)
+    (hit, new) = ex[1].runs
+    assert (hit.cause, hit.end, new.cause) == ("hit", 2, "first_seen")
+    assert new.detail == {"at": 2, "token": 6000, "seen_next": [5000], "image": True}
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+prompts = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=24), min_size=1, max_size=14)
+
+
+@settings(max_examples=150, deadline=None)
+@given(trace=prompts, cache=st.sampled_from(["radix", "block"]), unit=st.sampled_from([1, 2, 4]))
+def test_runs_agree_with_an_oracle_of_prefixes(trace, cache, unit):
+    """Whatever the cache holds now (hit, and cached with the last page): evicted is what an
+    earlier prompt got cached after this prefix (whole units of its length) and is gone;
+    block_floor what an earlier prompt had but no unit of it was cached; first_seen the
+    rest, after the longest prefix any earlier prompt shares."""
+    ex = explain_trace(trace, cache=cache, capacity=64, page_size=unit, block_size=unit)
+    for i, (p, e) in enumerate(zip(trace, ex, strict=True)):
+        assert (
+            [(r.start, r.end) for r in e.runs] == [(a.start, a.end) for a in e.runs]
+            and e.runs[0].start == 0
+            and e.runs[-1].end == len(p)
+        )
+        assert all(a.end == b.start for a, b in zip(e.runs, e.runs[1:], strict=False))
+        seen = max((lcp(p, q) for q in trace[:i]), default=0)
+        ever = max((min(lcp(p, q) // unit, len(q) // unit) * unit for q in trace[:i]), default=0)
+        hit, cached = e.tokens("hit"), e.tokens("hit") + e.tokens("last_token")
+        assert e.tokens("first_seen") == len(p) - max(seen, cached)
+        assert e.tokens("block_floor") == max(seen, cached) - max(ever, cached)
+        assert e.tokens("evicted") == max(ever, cached) - cached
+        assert hit <= cached <= max(ever, cached)
+
+
+def test_minirad_explain_prints_totals_and_json_lines(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in TRACE))
+    args = ["explain", str(trace), "--capacity", "32", "--page-size", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for cause in CAUSES:
+        assert cause in out
+    assert "request 4: 20 missed: 0-20 evicted (by request 3" in out
+    assert main([*args, "--cache", "block", "--block-size", "4", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["request"] for x in lines] == list(range(len(TRACE)))
+    assert lines[5]["runs"][-1] == {"start": 28, "end": 30, "cause": "block_floor", "detail": {}}
+
+
+def test_chat_lines_use_the_models_template_and_images(tmp_path, capsys):
+    """Two chats about the same picture, by path and as a data URL: the second hits the
+    first's template, picture and question up to the new words."""
+    import base64
+    import shutil
+
+    from minirad.models import DEFAULT_MODEL_DIR
+
+    picture = DEFAULT_MODEL_DIR.parents[1] / "images" / "orange_square.png"
+    shutil.copy(picture, tmp_path / "p.png")
+    url = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+
+    def chat(image: str, text: str) -> dict:
+        parts = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": text}]
+        return {"messages": [{"role": "user", "content": parts}]}
+
+    lines = [chat("p.png", "What colour is the square?"), chat(url, "What colour is it?")]
+    trace = tmp_path / "chat.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["explain", str(trace), "--json"]) == 0
+    first, second = (json.loads(x) for x in capsys.readouterr().out.splitlines())
+    assert [r["cause"] for r in first["runs"]] == ["first_seen"]
+    assert [r["cause"] for r in second["runs"]] == ["hit", "first_seen"]
+    assert second["runs"][0]["end"] > 64  # the template and the picture's 64 placeholders
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "not JSON"),
+        ('{"prompt_token_ids": []}', "non-empty list"),
+        ('{"prompt_token_ids": [1, -2]}', "non-empty list"),
+        ('{"prompt": "text"}', "needs 'prompt_token_ids'"),
+    ],
+)
+def test_bad_trace_lines_are_one_line_errors(tmp_path, capsys, line, message):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(line + "\n")
+    assert main(["explain", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and f"{trace}:1" in err
+
+
+def test_a_prompt_longer_than_the_cache_is_refused():
+    with pytest.raises(InvalidArgumentError, match="do not fit"):
+        explain_trace([list(range(40))], capacity=32)
