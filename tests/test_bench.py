@@ -16,9 +16,9 @@ import pytest
 
 from minirad import InvalidArgumentError
 from minirad.bench import build_parser
-from minirad.bench.optimal import belady
 from minirad.bench.radix import SCHEDULES, capacity_for_fraction, replay, run_radix_benchmark
 from minirad.bench.trace import ChatTrace, TraceEvent, TraceRequest, make_chat_trace
+from minirad.kvcache.belady import belady
 from minirad.kvcache.eviction import ClosedSessionLRUPolicy
 from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache

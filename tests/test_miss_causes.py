@@ -156,3 +156,22 @@ def test_bad_trace_lines_are_one_line_errors(tmp_path, capsys, line, message):
 def test_a_prompt_longer_than_the_cache_is_refused():
     with pytest.raises(InvalidArgumentError, match="do not fit"):
         explain_trace([list(range(40))], capacity=32)
+
+
+def test_min_says_whether_an_eviction_could_have_been_avoided():
+    """Request 3 (B) fills the cache; request 4 (A) then misses what request 3 evicted. MIN
+    has the same capacity: B needs the whole cache too, so A is lost under MIN as well."""
+    from minirad.kv_events.explain_trace import optimal
+
+    mins = optimal(TRACE, 32, 4)
+    assert mins.request_hit_tokens[4] == 0  # B evicts A under any policy
+    ex = explain_trace(TRACE, capacity=32, page_size=4, min_hits=mins.request_hit_tokens)
+    assert ex[4].runs[0].detail["min_kept"] is False
+    # A, then B, fill the cache; C needs two pages: LRU evicts A (the older), MIN evicts B
+    # (never used again) and keeps A for request 3.
+    trace = [A, B[:20], list(range(400, 408)), A]
+    mins = optimal(trace, 40, 4)
+    ex = explain_trace(trace, capacity=40, page_size=4, min_hits=mins.request_hit_tokens)
+    assert spans(ex[3]) == [(0, 20, "evicted")]
+    assert ex[3].runs[0].detail["by_request"] == 2 and ex[3].runs[0].detail["min_kept"]
+    assert mins.request_hit_tokens[3] == 16

@@ -1,4 +1,4 @@
-"""Belady's MIN for the radix cache (:mod:`minirad.bench.optimal`).
+"""Belady's MIN for the radix cache (:mod:`minirad.kvcache.belady`).
 
 The oracle is checked against an exhaustive search over every eviction choice on tiny
 hand-made traces, against every real policy run through :class:`RadixCache` on random chat
@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirad import InvalidArgumentError
-from minirad.bench.optimal import belady
 from minirad.bench.radix import replay
 from minirad.bench.trace import ChatTrace, TraceEvent, TraceRequest, make_chat_trace
+from minirad.kvcache.belady import belady
 from minirad.kvcache.eviction import POLICIES
 
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from minirad.bench.optimal import OptimalResult, belady
 from minirad.bench.radix import _Lifecycle, add_trace_arguments, capacity_for_fraction
 from minirad.bench.trace import ChatTrace, make_chat_trace
 from minirad.errors import InvalidArgumentError
+from minirad.kvcache.belady import OptimalResult, belady
 from minirad.kvcache.hicache_storage import HiCacheMemoryStorage
 from minirad.kvcache.hiradix_cache import WRITE_POLICIES, HiRadixCache
 from minirad.kvcache.radix_cache import RadixCache

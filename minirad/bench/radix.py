@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from minirad.bench.optimal import OptimalResult, belady
 from minirad.bench.trace import ChatTrace, TraceEvent, make_chat_trace
 from minirad.entrypoints.argtypes import positive_int
 from minirad.errors import InvalidArgumentError
+from minirad.kvcache.belady import OptimalResult, belady
 from minirad.kvcache.eviction import POLICIES, ClosedSessionLRUPolicy
 from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache, Req
@@ -71,7 +71,7 @@ class ReplayResult:
             own timeline).
         schedule: the queue's order, ``"fcfs"`` or ``"lpm"``.
         ran: the order that ran, as a :class:`ChatTrace` over the same requests (its
-            ``start`` events are admissions); :func:`~minirad.bench.optimal.belady` on it is
+            ``start`` events are admissions); :func:`~minirad.kvcache.belady.belady` on it is
             the optimum for this run. The trace itself when ``max_running`` is None.
         queue_delay: summed time from arrival to admission over all requests, in the trace's
             time units (decode steps); 0 without a queue.
@@ -442,7 +442,7 @@ def run_radix_benchmark(
 ) -> RadixBenchmark:
     """Replay ``trace`` without a cache, with every policy in ``policies`` at ``capacity``
     tokens, and with an infinite pool; ``optimal``: also compute Belady's MIN
-    (:func:`minirad.bench.optimal.belady`). ``policy`` (the headline) is always among the runs.
+    (:func:`minirad.kvcache.belady.belady`). ``policy`` (the headline) is always among the runs.
     ``max_running`` and ``schedule``: every run goes through that queue (:func:`replay`), and
     each policy's MIN is computed on the order its run ran (one MIN per policy).
 

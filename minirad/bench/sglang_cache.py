@@ -12,7 +12,7 @@ LLaVA, the same prompt ids, text only).
 ``--policies`` runs the workload once more per SGLang eviction policy (``lfu``, ``slru``,
 ``priority``, ``tlru`` with ``threshold`` 64 and ``next_prompt_estimate`` 8) and prints the
 cached tokens of every request under each, beside our replay with the same policy and
-Belady's MIN (:mod:`minirad.bench.optimal`) on the same request order.
+Belady's MIN (:mod:`minirad.kvcache.belady`) on the same request order.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def engine_answers(answers: Sequence[Answer]) -> list[list[int]]:
 
 def belady_per_request(run: Run) -> list[int]:
     """Belady's MIN (the feasible schedule) on the run's requests in its order, per request."""
-    from minirad.bench.optimal import belady
     from minirad.bench.trace import ChatTrace, TraceEvent, TraceRequest
+    from minirad.kvcache.belady import belady
 
     requests, events = [], []
     for i, a in enumerate(run.answers):

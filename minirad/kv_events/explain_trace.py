@@ -25,11 +25,13 @@ from minirad.errors import InvalidArgumentError, OutOfMemoryError
 from minirad.events import BlockRemovedEvent, Event, EventBus, EvictEvent
 from minirad.kv_events.event_tree import EventTree
 from minirad.kv_events.miss_causes import CAUSES, Eviction, PrefixHistory, Run, label_runs
+from minirad.kvcache.belady import OptimalResult, belady
 from minirad.kvcache.kv_cache_manager import KVCacheManager
 from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache, Req
+from minirad.kvcache.request_trace import ChatTrace, TraceEvent, TraceRequest
 
-__all__ = ["CACHE_DESIGNS", "ExplainedRequest", "explain_trace", "totals"]
+__all__ = ["CACHE_DESIGNS", "ExplainedRequest", "explain_trace", "optimal", "totals"]
 
 CACHE_DESIGNS = ("radix", "block")
 
@@ -141,6 +143,17 @@ class _BlockReplay:
         return len(prompt) - len(prompt) % self.manager.block_size
 
 
+def optimal(prompts: Sequence[Sequence[int]], capacity: int, unit: int) -> OptimalResult:
+    """Belady's MIN on the same requests, in the same order, one at a time, with a pool of
+    ``capacity`` tokens in pages of ``unit`` (:func:`minirad.kvcache.belady.belady`): what
+    the best eviction could have served each request."""
+    requests = [TraceRequest(f"r{i}", i, 0, [int(t) for t in p], []) for i, p in enumerate(prompts)]
+    events = [
+        TraceEvent(float(i), kind, i) for i in range(len(requests)) for kind in ("start", "finish")
+    ]
+    return belady(ChatTrace(requests, events, []), capacity - capacity % unit, unit)
+
+
 def explain_trace(
     prompts: Sequence[Sequence[int]],
     cache: str = "radix",
@@ -149,10 +162,13 @@ def explain_trace(
     block_size: int = 16,
     policy: str = "lru",
     vocab_size: int | None = None,
+    min_hits: Sequence[int] | None = None,
 ) -> list[ExplainedRequest]:
     """Replay ``prompts`` in order, one at a time, through a ``cache`` of ``capacity`` tokens;
     every prompt's runs. (``page_size`` and ``policy`` are the radix tree's, ``block_size``
-    the block cache's, whose policy is LRU.)
+    the block cache's, whose policy is LRU.) With ``min_hits`` (each request's hits under
+    Belady's MIN, :func:`optimal`), an evicted run's detail says whether MIN would have kept
+    it (``min_kept``: MIN served the request past the run's end).
 
     Raises:
         InvalidArgumentError: an unknown design, a bad size, or a prompt longer than the
@@ -171,17 +187,30 @@ def explain_trace(
             raise InvalidArgumentError(f"capacity {capacity} holds no block of {block_size}")
         replay = _BlockReplay(history, capacity, block_size)
     out = []
+    unit = page_size if cache == "radix" else block_size
     for i, prompt in enumerate(prompts):
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise InvalidArgumentError(f"request {i}: an empty prompt")
-        if len(prompt) > capacity:
+        if -(-len(prompt) // unit) * unit > capacity:
             raise InvalidArgumentError(
                 f"request {i}: {len(prompt)} tokens do not fit in a cache of {capacity}"
             )
         hit, cached = replay.serve(i, prompt)
-        unit = page_size if cache == "radix" else block_size
         runs = label_runs(history, prompt, hit, cached, vocab_size=vocab_size, unit=unit)
+        if min_hits is not None:  # MIN served what could be served of the run
+            servable = (len(prompt) - 1) // unit * unit
+            runs = [
+                Run(
+                    r.start,
+                    r.end,
+                    r.cause,
+                    r.detail | {"min_kept": min_hits[i] >= min(r.end, servable)},
+                )
+                if r.cause == "evicted"
+                else r
+                for r in runs
+            ]
         history.see(prompt)
         history.cached(prompt, replay.inserted(prompt))
         out.append(ExplainedRequest(i, len(prompt), runs))

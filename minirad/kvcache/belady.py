@@ -14,8 +14,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from minirad.bench.trace import ChatTrace
 from minirad.errors import InvalidArgumentError
+from minirad.kvcache.request_trace import ChatTrace
 
 __all__ = ["OptimalResult", "belady"]
 
