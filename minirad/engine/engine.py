@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from minirad.engine.encoder_cache import EncoderCache
+from minirad.engine.explain import MissExplainer
 from minirad.engine.grammar import GrammarCompiler, allocate_token_bitmask, apply_token_bitmask
 from minirad.engine.model_runner import PREFETCH_LOOKAHEAD, ModelRunner
 from minirad.engine.processing import InputProcessor
@@ -119,6 +120,8 @@ class EngineConfig:
         hicache_storage_dir: a folder for the disk tier (one safetensors file per page,
             :class:`~minirad.kvcache.hicache_storage.HiCacheFile`), shared by every engine
             of the same model that names it; needs ``hicache_ratio``. None: no disk tier.
+        explain_misses: label every prompt token of every request with why it hit or missed
+            (``RequestStats.miss_causes``; :meth:`LLMEngine.explain`). Off: no cost.
     """
 
     num_kv_slots: int = 4096
@@ -142,6 +145,7 @@ class EngineConfig:
     hicache_ratio: float | None = None
     hicache_write_policy: str | None = None
     hicache_storage_dir: str | os.PathLike | None = None
+    explain_misses: bool = False
 
 
 @dataclass
@@ -384,6 +388,9 @@ class LLMEngine:
         self.kv_events = self.kv_event_publisher = None
         if cfg.kv_events_endpoint is not None:
             self._start_kv_events()
+        self.explainer: MissExplainer | None = None
+        if cfg.explain_misses:
+            self.explain()
 
     def _make_tree_cache(self, model) -> RadixCache:
         """The radix tree; with ``hicache_ratio``, over a host KV cache in CPU memory (and a
@@ -922,6 +929,17 @@ class LLMEngine:
             encoder_hits=self.encoder_cache.num_hits,
             cached_tokens_by_source=dict(self.scheduler.cached_tokens_by_source),
         )
+
+    def explain(self) -> MissExplainer:
+        """Explain every request's misses from now on (:mod:`minirad.engine.explain`): each
+        request admitted for the first time gets ``RequestStats.miss_causes``, every prompt
+        token with one cause. Returns the engine's :class:`MissExplainer` (made at the first
+        call; its ``totals()`` sums the causes). Call it between steps (a server: on the
+        engine thread); best before the first request, else what was evicted before is unknown
+        to it."""
+        if self.explainer is None or self.explainer.error is not None:
+            self.explainer = MissExplainer(self)
+        return self.explainer
 
     def check_invariants(self) -> None:
         """Tree, locks and slot accounting (:meth:`Scheduler.check_invariants`).

@@ -42,6 +42,7 @@ from minirad.kvcache.radix_cache import Req
 
 if TYPE_CHECKING:
     from minirad.engine.grammar import Grammar
+    from minirad.kv_events.miss_causes import Run
 
 __all__ = [
     "EngineCoreRequest",
@@ -150,6 +151,11 @@ class RequestStats:
             (the radix tree's device pool), ``host`` (loaded back from the host pool),
             ``storage`` (read from the disk tier, then loaded back); the three add up to
             ``cached_tokens``. Only ``device`` without tiers.
+        miss_causes: why each prompt token hit or missed, as runs of one cause each
+            (:mod:`minirad.engine.explain`: ``hit``, ``host``, ``storage``, ``last_token``,
+            ``in_flight``, ``preempted``, ``evicted``, ``block_floor``, ``first_seen``), set at
+            the first admission when the engine explains its misses (``EngineConfig.
+            explain_misses``); None otherwise. Left out of the repr (it is long).
     """
 
     prompt_tokens: int = 0
@@ -161,6 +167,7 @@ class RequestStats:
     cached_forced_tokens: int = 0
     forced_tokens: int = 0
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    miss_causes: list[Run] | None = field(default=None, repr=False)
 
 
 class Request(Req):
@@ -360,3 +367,9 @@ class RequestOutput:
     stats: RequestStats
     logits: torch.Tensor | None = None
     error: Exception | None = None
+
+    @property
+    def miss_causes(self) -> list[Run] | None:
+        """Why each prompt token hit or missed (``stats.miss_causes``; None unless the engine
+        explains its misses)."""
+        return self.stats.miss_causes

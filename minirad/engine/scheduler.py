@@ -33,10 +33,14 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minirad.engine.request import Request, RequestStatus
 from minirad.errors import InvalidArgumentError, InvariantError, RequestError
 from minirad.kvcache.radix_cache import RadixCache
+
+if TYPE_CHECKING:
+    from minirad.engine.explain import MissExplainer
 
 __all__ = [
     "POLICIES",
@@ -172,6 +176,9 @@ class Scheduler:
         self.num_preempted_cached_tokens = 0  # tokens readmitted requests found again
         self.cached_tokens_by_source: dict[str, int] = {}  # num_cached_tokens by tier
         self.tiers = getattr(tree_cache, "host_pool", None) is not None  # a HiRadixCache
+        # Why each request missed (LLMEngine.explain): told of matches, admissions and
+        # preemptions; None (the default) costs one check each.
+        self.explainer: MissExplainer | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -263,6 +270,8 @@ class Scheduler:
             if budget <= 0 or request.status is not RequestStatus.RUNNING:
                 break  # out of budget, or preempted below as a victim (so are all after it)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.explainer is not None:
+                self.explainer.scheduling(request)
             if not self._allocate_or_preempt(request, n, out.preempted):
                 break
             self._add_scheduled(out, request, n, in_batch)
@@ -285,6 +294,8 @@ class Scheduler:
             self._sort_waiting_by_prefix_match()
         while can_admit():
             request = self.waiting.popleft()
+            if self.explainer is not None:
+                self.explainer.matching(request)
             self.tree_cache.match_prefix_for_req(request, self._max_prefix_len(request))
             if in_batch is not None and self._shares_in_batch(request, in_batch):
                 self._release(request, insert=False)
@@ -309,6 +320,8 @@ class Scheduler:
         if request.stats.num_preemptions:
             request.stats.preempted_cached_tokens += found
             self.num_preempted_cached_tokens += found
+            if self.explainer is not None:
+                self.explainer.readmitted(request)
             return
         # Prompt tokens only: a grammar's first forced run (outputs appended before admission,
         # Request.jump_forward) may be found in the tree too; it saves compute but is not a
@@ -322,6 +335,8 @@ class Scheduler:
         request.stats.cached_tokens_by_source = by_source
         for source, n in by_source.items():
             self.cached_tokens_by_source[source] = self.cached_tokens_by_source.get(source, 0) + n
+        if self.explainer is not None:
+            self.explainer.admitted(request)
 
     def _add_scheduled(
         self, out: SchedulerOutput, request: Request, n: int, in_batch: RadixCache | None
@@ -402,6 +417,8 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        if self.explainer is not None:
+            self.explainer.preempting(request)
         self._release(request, insert=True)
         request.status = RequestStatus.PREEMPTED
         request.stats.num_preemptions += 1

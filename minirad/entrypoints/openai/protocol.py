@@ -175,6 +175,9 @@ class SamplingFields(_Body):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    # minirad's own: the usage says why each prompt token hit or missed (docs/serving.md).
+    # vLLM and SGLang ignore a field they do not know, so a client may send it to either.
+    minirad_explain: bool = False
 
     # Fields of OpenAI's API or vLLM's that would change the answer, and that the engine does
     # not implement, with their "off" values: refused unless off, never silently ignored.

@@ -203,6 +203,8 @@ class OpenAIServing:
         max_tokens = self.engine.max_model_len if max_tokens is None else max_tokens
         eos = self.engine.eos_token_ids
         params = fields.sampling_params(max_tokens, self.defaults, eos, max_tokens_field)
+        if fields.minirad_explain:
+            await self.start_explaining()
         rid = uuid.uuid4().hex
         children = []
         for i in range(fields.n):
@@ -213,6 +215,14 @@ class OpenAIServing:
             child_rid = rid if fields.n == 1 else f"{i}_{rid}"
             children.append(GenerateRequest(prompt, images, child, child_rid))
         return rid, await self.async_engine.add_request(children)
+
+    async def start_explaining(self) -> None:
+        """Have the engine explain its misses from now on (on its thread, between two steps),
+        unless it does already: the first request that asks turns it on for every later one
+        (what was evicted before is unknown to it, docs/serving.md)."""
+        explainer = self.engine.explainer
+        if explainer is None or explainer.error is not None:
+            await self.async_engine.call(lambda engine: engine.explain())
 
     async def respond(
         self,
@@ -232,10 +242,11 @@ class OpenAIServing:
             if outs is None:
                 return Response(status_code=499)
             choices = [final_choice(i, out) for i, out in enumerate(outs)]
-            return JSONResponse(head | {"choices": choices, "usage": _usage(outs)})
+            usage = _usage(outs, fields.minirad_explain)
+            return JSONResponse(head | {"choices": choices, "usage": usage})
         include_usage = fields.stream_options is not None and fields.stream_options.include_usage
         chunk = head | {"object": chunk_object}
-        chunks = _chunks(stream, fields.n, chunk, delta_choice, include_usage)
+        chunks = _chunks(stream, fields, chunk, delta_choice, include_usage)
         return _EventStream(chunks, stream)
 
     def _head(self, id_: str, object_: str) -> dict:
@@ -279,13 +290,17 @@ def _completion_prompt(prompt: str | list) -> str | list[int]:
 
 
 async def _chunks(
-    stream: RequestStream, n: int, chunk: dict, delta_choice: DeltaChoice, include_usage: bool
+    stream: RequestStream,
+    fields: SamplingFields,
+    chunk: dict,
+    delta_choice: DeltaChoice,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     """A stream's events: ``delta_choice(i, None)`` per choice (the opening chunk, if any),
     a chunk per output with new text, the usage chunk if asked, then ``[DONE]``; a failure
     ends it with an error event."""
     try:
-        for i in range(n):
+        for i in range(fields.n):
             if (opening := delta_choice(i, None)) is not None:
                 yield _sse(chunk | {"choices": [opening]})
         last: dict[int, RequestOutput] = {}
@@ -296,7 +311,7 @@ async def _chunks(
             if out.new_text or out.finished:
                 yield _sse(chunk | {"choices": [delta_choice(i, out)]})
         if include_usage:
-            usage = _usage([last[i] for i in sorted(last)])
+            usage = _usage([last[i] for i in sorted(last)], fields.minirad_explain)
             yield _sse(chunk | {"choices": [], "usage": usage})
     except RequestFailedError as e:
         yield _sse(failure_body(e.error))
@@ -305,16 +320,21 @@ async def _chunks(
     yield _sse("[DONE]")
 
 
-def _usage(outs: Sequence[RequestOutput]) -> dict:
+def _usage(outs: Sequence[RequestOutput], explain: bool = False) -> dict:
     """OpenAI's ``usage`` of one API request's choices: the prompt once, every choice's
     completion tokens; ``cached_tokens``: the first choice's (the others usually find its
     prompt cached, which is the point of sampling them together), and with a hierarchical
-    cache ``cached_tokens_by_source`` (``device``, ``host``, ``storage``, adding up to it)."""
+    cache ``cached_tokens_by_source`` (``device``, ``host``, ``storage``, adding up to it).
+    With ``explain`` (the request's ``minirad_explain``), the first choice's ``miss_causes``:
+    its prompt's runs as dicts (null if it has none: it was never admitted)."""
     prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     details: dict = {"cached_tokens": outs[0].stats.cached_tokens}
     by_source = outs[0].stats.cached_tokens_by_source
     if set(by_source) - {"device"}:  # a hierarchical cache: where the cached tokens came from
         details["cached_tokens_by_source"] = dict(by_source)
+    if explain:
+        runs = outs[0].stats.miss_causes
+        details["miss_causes"] = None if runs is None else [r.to_dict() for r in runs]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -1,0 +1,36 @@
+"""The miss strip (issue 33): a request's prompt coloured by cause, the trace's totals."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+from minirad.kv_events.explain_trace import explain_trace, optimal, totals
+from viz.miss_strip import CAUSE_COLORS, miss_strip_svg
+
+A = list(range(100, 120))
+B = list(range(300, 330))
+TRACE = [A, A, A[:12] + [7, 8, 9], B, A, B]
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def test_each_run_is_one_rect_in_its_colour_with_its_detail_on_hover():
+    mins = optimal(TRACE, 32, 4)
+    ex = explain_trace(TRACE, capacity=32, page_size=4, min_hits=mins.request_hit_tokens)
+    svg = miss_strip_svg(ex[5].runs, "request 5", totals(ex))
+    root = ET.fromstring(svg)
+    rects = [r for r in root.iter(f"{SVG}rect") if r.get("class", "").startswith("cause-")]
+    strip = rects[: len(ex[5].runs)]
+    assert [r.get("class") for r in strip] == [f"cause-{r.cause}" for r in ex[5].runs]
+    assert all(r.get("fill") == CAUSE_COLORS[r.get("class")[6:]] for r in rects)
+    titles = [r.find(f"{SVG}title").text for r in strip]
+    assert "for request 4" in titles[0] and "MIN would" in titles[0]
+    widths = [int(r.get("width")) for r in strip]
+    assert widths[0] > widths[-1]  # 28 evicted tokens against 2 below a page
+    bar = rects[len(ex[5].runs) :]
+    assert {r.get("class")[6:] for r in bar} == {c for c, n in totals(ex).items() if n}
+
+
+def test_the_drawing_depends_on_the_runs_alone():
+    ex = explain_trace(TRACE, capacity=32, page_size=4)
+    assert miss_strip_svg(ex[2].runs) == miss_strip_svg([r.to_dict() for r in ex[2].runs])
+    assert "first_seen" in miss_strip_svg(ex[2].runs)

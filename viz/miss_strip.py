@@ -1,0 +1,119 @@
+"""Why a request missed, drawn: its prompt as a strip of tokens coloured by cause, and the
+tokens per cause as one bar (``minirad explain``'s runs, :mod:`minirad.kv_events.miss_causes`).
+
+A static SVG, deterministic as :mod:`viz.svg`'s frames: hover a run for its tokens, cause and
+detail (the evicting request, where the prompt left the earlier ones, whether MIN would have
+kept it). Width is proportional to tokens; a run never shrinks below a hairline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from xml.sax.saxutils import escape, quoteattr
+
+from .svg import FONT, MARGIN, MAX_WIDTH
+
+__all__ = ["CAUSE_COLORS", "miss_strip_svg"]
+
+# cause -> fill; hits green as the paper's "added", the misses warm to cold by how avoidable.
+CAUSE_COLORS = {
+    "hit": "#3a8a2e",
+    "host": "#8d6e63",
+    "storage": "#827717",
+    "last_token": "#9ccc65",
+    "in_flight": "#4fc3f7",
+    "preempted": "#ba68c8",
+    "evicted": "#e53935",
+    "block_floor": "#ffb300",
+    "first_seen": "#9e9e9e",
+    "unknown": "#263238",
+}
+STRIP_H, BAR_H, ROW = 22, 14, 34
+
+
+def _detail(detail: Mapping) -> str:
+    parts = []
+    if "by_request" in detail:
+        parts.append(f"evicted at time {detail['time']} for request {detail['by_request']}")
+        parts.append(f"policy {detail['policy']}")
+    if "min_kept" in detail:
+        parts.append("MIN would have kept it" if detail["min_kept"] else "MIN would not either")
+    if "at" in detail:
+        parts.append(
+            f"left the earlier prompts at token {detail['at']}: {detail['token']} where they "
+            f"had {detail['seen_next']}" + (" (an image)" if detail.get("image") else "")
+        )
+    parts += [f"{k}: {v}" for k, v in detail.items() if k not in _KNOWN]
+    return "; ".join(parts)
+
+
+_KNOWN = {"by_request", "time", "policy", "min_kept", "at", "token", "seen_next", "image"}
+
+
+def _rects(spans: Sequence[tuple[int, int, str, str]], total: int, y: int, h: int) -> list[str]:
+    """Rectangles for ``(start, end, cause, title)`` spans of ``total`` tokens, scaled to the
+    drawing's width (integer pixels, each at least 1 px)."""
+    width = MAX_WIDTH - 2 * MARGIN
+    out = []
+    for start, end, cause, title in spans:
+        x0 = MARGIN + start * width // total
+        x1 = max(MARGIN + end * width // total, x0 + 1)
+        out.append(
+            f'<rect class="cause-{cause}" x="{x0}" y="{y}" width="{x1 - x0}" height="{h}" '
+            f'fill="{CAUSE_COLORS.get(cause, "#000000")}"><title>{escape(title)}</title></rect>'
+        )
+    return out
+
+
+def miss_strip_svg(runs: Sequence, title: str = "", totals: Mapping[str, int] | None = None) -> str:
+    """One request's ``runs`` (:class:`~minirad.kv_events.miss_causes.Run`, or their dicts) as
+    a strip, with ``totals`` (tokens per cause, e.g. a whole trace's) as a bar under it, and a
+    legend of the causes present. Returns the SVG document."""
+    runs = [r if isinstance(r, Mapping) else r.to_dict() for r in runs]
+    n = runs[-1]["end"] if runs else 0
+    y = MARGIN
+    out = []
+    if title:
+        out.append(f'<text x="{MARGIN}" y="{y + 10}" font-size="12">{escape(title)}</text>')
+        y += 18
+    spans = [
+        (
+            r["start"],
+            r["end"],
+            r["cause"],
+            f"tokens {r['start']}-{r['end'] - 1}: {r['cause']}"
+            + (f" ({d})" if (d := _detail(r["detail"])) else ""),
+        )
+        for r in runs
+    ]
+    if n:
+        out += _rects(spans, n, y, STRIP_H)
+    y += STRIP_H + 6
+    present = [c for c in CAUSE_COLORS if any(r["cause"] == c for r in runs)]
+    if totals:
+        whole = sum(totals.values())
+        out.append(f'<text x="{MARGIN}" y="{y + 10}" font-size="11">all requests</text>')
+        y += 14
+        bar, pos = [], 0
+        for cause, count in totals.items():
+            if count:
+                share = f"{cause}: {count:,} tokens ({count / whole:.1%})"
+                bar.append((pos, pos + count, cause, share))
+                pos += count
+                present += [cause] if cause not in present else []
+        out += _rects(bar, whole, y, BAR_H)
+        y += BAR_H + 6
+    x = MARGIN
+    for cause in [c for c in CAUSE_COLORS if c in present]:
+        out.append(
+            f'<rect x="{x}" y="{y}" width="10" height="10" fill="{CAUSE_COLORS[cause]}"/>'
+            f'<text x="{x + 14}" y="{y + 9}" font-size="10">{cause}</text>'
+        )
+        x += 24 + 7 * len(cause)
+    height = y + 10 + MARGIN
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{MAX_WIDTH}" height="{height}" '
+        f'viewBox="0 0 {MAX_WIDTH} {height}" font-family={quoteattr(FONT)}>'
+        + "".join(out)
+        + "</svg>"
+    )
