@@ -34,3 +34,16 @@ def test_the_drawing_depends_on_the_runs_alone():
     ex = explain_trace(TRACE, capacity=32, page_size=4)
     assert miss_strip_svg(ex[2].runs) == miss_strip_svg([r.to_dict() for r in ex[2].runs])
     assert "first_seen" in miss_strip_svg(ex[2].runs)
+
+
+def test_one_frame_per_request_at_its_match():
+    from viz.miss_strip import explain_frames
+
+    ex, frames = explain_frames(TRACE, capacity=32, page_size=4)
+    assert [f.title for f in frames] == [f"request {i}" for i in range(len(TRACE))]
+    # A frame holds what happened since the request before matched: request 2's shows its
+    # match of A's first 12 tokens (accessed); request 4's what request 3 evicted (A's nodes).
+    assert any(n.state == "accessed" for n in frames[2].nodes)
+    assert "evicted" in frames[4].caption
+    assert not any(n.state == "accessed" for n in frames[4].nodes if n.id)
+    assert ex[4].runs[0].cause == "evicted"

@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from xml.sax.saxutils import escape, quoteattr
 
+from minirad.events import EventBus, MatchEvent
+
+from .frame import Frame
+from .frame_builder import FrameBuilder
 from .svg import FONT, MARGIN, MAX_WIDTH
 
-__all__ = ["CAUSE_COLORS", "miss_strip_svg"]
+__all__ = ["CAUSE_COLORS", "explain_frames", "miss_strip_svg"]
 
 # cause -> fill; hits green as the paper's "added", the misses warm to cold by how avoidable.
 CAUSE_COLORS = {
@@ -117,3 +121,43 @@ def miss_strip_svg(runs: Sequence, title: str = "", totals: Mapping[str, int] | 
         + "".join(out)
         + "</svg>"
     )
+
+
+def explain_frames(
+    prompts: Sequence[Sequence[int]],
+    decode=None,
+    capacity: int = 4096,
+    page_size: int = 1,
+    policy: str = "lru",
+    min_hits: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+) -> tuple[list, list[Frame]]:
+    """``minirad explain``'s radix replay of ``prompts``, with the tree drawn at each request's
+    match (its path accessed, what was evicted for the request before it gone): the explained
+    requests and one :class:`~viz.frame.Frame` per request, to show beside its strip."""
+    from minirad.kv_events.explain_trace import explain_trace
+
+    bus = EventBus()
+    builder = FrameBuilder(
+        decode, vocab_size=vocab_size, pool_size=capacity, page_size=page_size, every_event=False
+    )
+    builder.attach(bus)
+    count = [0]
+
+    def at_match(e) -> None:
+        if isinstance(e, MatchEvent):
+            builder.title = f"request {count[0]}"
+            builder.snapshot()
+            count[0] += 1
+
+    bus.subscribe(at_match)
+    explained = explain_trace(
+        prompts,
+        capacity=capacity,
+        page_size=page_size,
+        policy=policy,
+        vocab_size=vocab_size,
+        min_hits=min_hits,
+        bus=bus,
+    )
+    return explained, builder.frames

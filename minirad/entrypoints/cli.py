@@ -879,9 +879,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(SGLang's) or a block cache (vLLM's) and label every prompt token with its cause: "
         "hit, last_token, evicted, block_floor, first_seen (minirad.kv_events.miss_causes). "
         'Lines: {"prompt_token_ids": [...]} or {"messages": [...]} (OpenAI chat; needs '
-        "--model's processor, not its weights).",
+        "--model's processor, not its weights). Or, with --from-recording, a real vLLM or "
+        "SGLang session: its KV events and each response's cached_tokens, no replay; what they "
+        "cannot explain is labelled unknown (minirad.kv_events.explain_events).",
     )
-    x.add_argument("trace", help="JSONL file: one request per line")
+    x.add_argument("trace", nargs="?", help="JSONL file: one request per line")
+    x.add_argument(
+        "--from-recording",
+        metavar="PATH",
+        help="a recorded real-server session instead of a trace: PATH_outputs.json and "
+        "PATH_events.jsonl (e.g. data/recordings/vllm_ch08); the cache options do not apply",
+    )
     x.add_argument("--cache", choices=CACHE_DESIGNS, default="radix", help="cache design")
     x.add_argument("--capacity", type=positive_int, default=4096, help="cache size in tokens")
     x.add_argument("--page-size", type=positive_int, default=1, help="radix cache page size")

@@ -6,6 +6,11 @@ folder), rendered with ``--model``'s chat template and processor (no weights are
 The requests are replayed one at a time through a radix or block cache
 (:func:`~minirad.kv_events.explain_trace.explain_trace`); the command prints the prompt tokens
 per cause, the requests that missed most and why, or with ``--json`` one line per request.
+
+``minirad explain --from-recording PATH`` reads a real vLLM or SGLang session instead
+(``PATH_outputs.json``, ``PATH_events.jsonl``, e.g. ``data/recordings/vllm_ch08``): no replay,
+the server's KV events and each response's ``cached_tokens``
+(:mod:`~minirad.kv_events.explain_events`); what they cannot explain is ``unknown``.
 """
 
 from __future__ import annotations
@@ -151,16 +156,54 @@ def _detail(detail: dict) -> str:
     if "by_request" in detail:
         return f" (by request {detail['by_request']} at time {detail['time']}, {detail['policy']})"
     if "at" in detail:
-        return f" (token {detail['token']} where earlier prompts had {detail['seen_next']})"
+        image = ", an image" if detail.get("image") else ""
+        return f" (token {detail['token']}{image} where earlier prompts had {detail['seen_next']})"
+    if "seq" in detail:  # a real server's removal (explain_events)
+        cleared = ", all blocks cleared" if detail.get("cleared") else ""
+        return f" (removed in event batch seq {detail['seq']}, ts {detail['ts']}{cleared})"
+    if "why" in detail:
+        return f" ({detail['why']})"
+    if "one_of" in detail:
+        return f" (one of {detail['one_of']})"
+    if "events_support" in detail:
+        return f" (the events support {detail['events_support']})"
     return ""
 
 
 def run_explain(args, out=print) -> int:
-    """The ``explain`` command: replay, then the report (or one JSON line per request)."""
-    from minirad.kv_events.explain_trace import explain_trace, totals
+    """The ``explain`` command: replay (or, with ``--from-recording``, read a real server's
+    events and cached tokens), then the report (or one JSON line per request).
+
+    Raises:
+        InvalidArgumentError: neither or both of a trace and ``--from-recording``.
+    """
+    from minirad.kv_events.explain_trace import totals
+
+    recording = getattr(args, "from_recording", None)
+    if (args.trace is None) == (recording is None):
+        raise InvalidArgumentError("give a trace or --from-recording PATH (one of them)")
+    if recording is not None:
+        from minirad.kv_events import explain_events
+
+        explained = explain_events.explain_recording(recording)
+        by_cause = explain_events.totals(explained)
+    else:
+        explained = _replay(args)
+        by_cause = totals(explained)
+    if args.json:
+        for e in explained:
+            out(json.dumps(e.to_dict()))
+    else:
+        out(format_report(explained, by_cause))
+    return 0
+
+
+def _replay(args) -> list:
+    """The trace's requests replayed through the command's cache."""
+    from minirad.kv_events.explain_trace import explain_trace
 
     prompts, vocab_size = load_trace(args.trace, args.model)
-    explained = explain_trace(
+    return explain_trace(
         prompts,
         cache=args.cache,
         capacity=args.capacity,
@@ -169,9 +212,3 @@ def run_explain(args, out=print) -> int:
         policy=args.policy,
         vocab_size=vocab_size,
     )
-    if args.json:
-        for e in explained:
-            out(json.dumps(e.to_dict()))
-    else:
-        out(format_report(explained, totals(explained)))
-    return 0

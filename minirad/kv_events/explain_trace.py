@@ -57,9 +57,9 @@ def totals(explained: Sequence[ExplainedRequest]) -> dict[str, int]:
 
 
 class _RadixReplay:
-    def __init__(self, history, capacity: int, page_size: int, policy: str) -> None:
-        self.bus = EventBus()
-        self.alloc = TokenToKVPoolAllocator(capacity, page_size)
+    def __init__(self, history, capacity: int, page_size: int, policy: str, bus=None) -> None:
+        self.bus = bus if bus is not None else EventBus()
+        self.alloc = TokenToKVPoolAllocator(capacity, page_size, self.bus)
         self.cache = RadixCache(page_size, policy, self.alloc, self.bus)
         self.history, self.policy, self.current = history, policy, None
         self.mirror = EventTree()
@@ -163,12 +163,14 @@ def explain_trace(
     policy: str = "lru",
     vocab_size: int | None = None,
     min_hits: Sequence[int] | None = None,
+    bus: EventBus | None = None,
 ) -> list[ExplainedRequest]:
     """Replay ``prompts`` in order, one at a time, through a ``cache`` of ``capacity`` tokens;
     every prompt's runs. (``page_size`` and ``policy`` are the radix tree's, ``block_size``
     the block cache's, whose policy is LRU.) With ``min_hits`` (each request's hits under
     Belady's MIN, :func:`optimal`), an evicted run's detail says whether MIN would have kept
-    it (``min_kept``: MIN served the request past the run's end).
+    it (``min_kept``: MIN served the request past the run's end). ``bus``: the radix cache's
+    and its pool's event bus (a viewer attached to it sees the replay; radix only).
 
     Raises:
         InvalidArgumentError: an unknown design, a bad size, or a prompt longer than the
@@ -181,8 +183,10 @@ def explain_trace(
             raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
     history = PrefixHistory()
     if cache == "radix":
-        replay = _RadixReplay(history, capacity - capacity % page_size, page_size, policy)
+        replay = _RadixReplay(history, capacity - capacity % page_size, page_size, policy, bus)
     else:
+        if bus is not None:
+            raise InvalidArgumentError("bus: only the radix replay publishes a tree's events")
         if capacity < block_size:
             raise InvalidArgumentError(f"capacity {capacity} holds no block of {block_size}")
         replay = _BlockReplay(history, capacity, block_size)
