@@ -5,6 +5,7 @@ that knows only the prompts (longest common prefixes) and the page or block size
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -104,6 +105,9 @@ def test_minirad_explain_prints_totals_and_json_lines(tmp_path, capsys):
     for cause in CAUSES:
         assert cause in out
     assert "request 4: 20 missed: 0-20 evicted (by request 3" in out
+    assert "Belady's MIN, same order and capacity: hit rate" in out
+    served = re.search(r"of the 48 evicted tokens, MIN would have served (\d+)", out)
+    assert served and int(served[1]) <= 48  # 20 of request 4 and 28 of request 5
     assert main([*args, "--cache", "block", "--block-size", "4", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["request"] for x in lines] == list(range(len(TRACE)))

@@ -182,28 +182,42 @@ def run_explain(args, out=print) -> int:
     recording = getattr(args, "from_recording", None)
     if (args.trace is None) == (recording is None):
         raise InvalidArgumentError("give a trace or --from-recording PATH (one of them)")
+    best = None
     if recording is not None:
         from minirad.kv_events import explain_events
 
         explained = explain_events.explain_recording(recording)
         by_cause = explain_events.totals(explained)
     else:
-        explained = _replay(args)
+        explained, best = _replay(args)
         by_cause = totals(explained)
     if args.json:
         for e in explained:
             out(json.dumps(e.to_dict()))
     else:
-        out(format_report(explained, by_cause))
+        report = format_report(explained, by_cause)
+        if best is not None:
+            evicted = [r for e in explained for r in e.runs if r.cause == "evicted"]
+            kept = sum(r.end - r.start for r in evicted if r.detail.get("min_kept"))
+            report += (
+                f"\nBelady's MIN, same order and capacity: hit rate {best.hit_rate:.1%} "
+                f"(upper bound {best.bound_hit_rate:.1%}); of the {by_cause['evicted']:,} "
+                f"evicted tokens, MIN would have served {kept:,}"
+            )
+        out(report)
     return 0
 
 
-def _replay(args) -> list:
-    """The trace's requests replayed through the command's cache."""
-    from minirad.kv_events.explain_trace import explain_trace
+def _replay(args) -> tuple[list, object]:
+    """The trace's requests replayed through the command's cache, and Belady's MIN on them
+    (pages of the cache's page or block size)."""
+    from minirad.kv_events.explain_trace import check_trace, explain_trace, optimal
 
     prompts, vocab_size = load_trace(args.trace, args.model)
-    return explain_trace(
+    prompts = check_trace(prompts, args.cache, args.capacity, args.page_size, args.block_size)
+    unit = args.page_size if args.cache == "radix" else args.block_size
+    best = optimal(prompts, args.capacity, unit)
+    explained = explain_trace(
         prompts,
         cache=args.cache,
         capacity=args.capacity,
@@ -211,4 +225,6 @@ def _replay(args) -> list:
         block_size=args.block_size,
         policy=args.policy,
         vocab_size=vocab_size,
+        min_hits=best.request_hit_tokens,
     )
+    return explained, best

@@ -31,7 +31,14 @@ from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache, Req
 from minirad.kvcache.request_trace import ChatTrace, TraceEvent, TraceRequest
 
-__all__ = ["CACHE_DESIGNS", "ExplainedRequest", "explain_trace", "optimal", "totals"]
+__all__ = [
+    "CACHE_DESIGNS",
+    "ExplainedRequest",
+    "check_trace",
+    "explain_trace",
+    "optimal",
+    "totals",
+]
 
 CACHE_DESIGNS = ("radix", "block")
 
@@ -143,6 +150,35 @@ class _BlockReplay:
         return len(prompt) - len(prompt) % self.manager.block_size
 
 
+def check_trace(
+    prompts: Sequence[Sequence[int]], cache: str, capacity: int, page_size: int, block_size: int
+) -> list[list[int]]:
+    """The prompts as lists of ints, once the replay's settings and prompts are checked.
+
+    Raises:
+        InvalidArgumentError: an unknown design, a bad size, an empty prompt, or a prompt
+            longer than the cache (it could never be cached whole: its labels would mean
+            nothing).
+    """
+    if cache not in CACHE_DESIGNS:
+        raise InvalidArgumentError(f"cache must be one of {CACHE_DESIGNS}, got {cache!r}")
+    for name, v in (("capacity", capacity), ("page_size", page_size), ("block_size", block_size)):
+        if type(v) is not int or v <= 0:
+            raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+    unit = page_size if cache == "radix" else block_size
+    out = []
+    for i, prompt in enumerate(prompts):
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise InvalidArgumentError(f"request {i}: an empty prompt")
+        if -(-len(prompt) // unit) * unit > capacity - capacity % unit:
+            raise InvalidArgumentError(
+                f"request {i}: {len(prompt)} tokens do not fit in a cache of {capacity}"
+            )
+        out.append(prompt)
+    return out
+
+
 def optimal(prompts: Sequence[Sequence[int]], capacity: int, unit: int) -> OptimalResult:
     """Belady's MIN on the same requests, in the same order, one at a time, with a pool of
     ``capacity`` tokens in pages of ``unit`` (:func:`minirad.kvcache.belady.belady`): what
@@ -173,33 +209,19 @@ def explain_trace(
     and its pool's event bus (a viewer attached to it sees the replay; radix only).
 
     Raises:
-        InvalidArgumentError: an unknown design, a bad size, or a prompt longer than the
-            cache (it could never be cached whole: its labels would mean nothing).
+        InvalidArgumentError: see :func:`check_trace`.
     """
-    if cache not in CACHE_DESIGNS:
-        raise InvalidArgumentError(f"cache must be one of {CACHE_DESIGNS}, got {cache!r}")
-    for name, v in (("capacity", capacity), ("page_size", page_size), ("block_size", block_size)):
-        if type(v) is not int or v <= 0:
-            raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+    prompts = check_trace(prompts, cache, capacity, page_size, block_size)
     history = PrefixHistory()
     if cache == "radix":
         replay = _RadixReplay(history, capacity - capacity % page_size, page_size, policy, bus)
     else:
         if bus is not None:
             raise InvalidArgumentError("bus: only the radix replay publishes a tree's events")
-        if capacity < block_size:
-            raise InvalidArgumentError(f"capacity {capacity} holds no block of {block_size}")
         replay = _BlockReplay(history, capacity, block_size)
     out = []
     unit = page_size if cache == "radix" else block_size
     for i, prompt in enumerate(prompts):
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise InvalidArgumentError(f"request {i}: an empty prompt")
-        if -(-len(prompt) // unit) * unit > capacity:
-            raise InvalidArgumentError(
-                f"request {i}: {len(prompt)} tokens do not fit in a cache of {capacity}"
-            )
         hit, cached = replay.serve(i, prompt)
         runs = label_runs(history, prompt, hit, cached, vocab_size=vocab_size, unit=unit)
         if min_hits is not None:  # MIN served what could be served of the run
