@@ -154,9 +154,17 @@ def format_report(explained, totals: dict[str, int], worst: int = 5) -> str:
 
 def _detail(detail: dict) -> str:
     if "by_request" in detail:
-        return f" (by request {detail['by_request']} at time {detail['time']}, {detail['policy']})"
+        kept = {True: "; MIN would have kept it", False: ""}.get(detail.get("min_kept"), "")
+        return (
+            f" (by request {detail['by_request']} at time {detail['time']}, {detail['policy']}"
+            f"{kept})"
+        )
     if "at" in detail:
         image = ", an image" if detail.get("image") else ""
+        if not detail["seen_next"]:
+            if not detail["at"]:
+                return " (no earlier prompt)"
+            return f" (earlier prompts ended at token {detail['at']})"
         return f" (token {detail['token']}{image} where earlier prompts had {detail['seen_next']})"
     if "seq" in detail:  # a real server's removal (explain_events)
         cleared = ", all blocks cleared" if detail.get("cleared") else ""
