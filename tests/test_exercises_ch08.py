@@ -10,7 +10,9 @@ request computed, at most all but its last prompt token, whole blocks only), whi
 reproduces the real vLLM's recorded hits at 32 tokens per block; q3 reads vLLM's own block
 hashes off the recorded ``BlockStored`` events; q5 reads the paths of the real SGLang's radix
 tree off its recorded events: how much of each request's prompt + output the tree held once the
-request was done.
+request was done. q6 and q7 (the cause of a few tokens of a small trace, which ``ch08`` asks
+``minirad explain``'s replay) are prefix arithmetic on pages, and a hand-written block table
+and free queue for vLLM's design.
 """
 
 from __future__ import annotations
@@ -146,12 +148,79 @@ def oracle_q5() -> list[int]:
     return held
 
 
+def cause_at(t: int, hit: int, cached: int, ever: int, seen: int) -> str:
+    """Token ``t``'s cause from four prefix lengths: served, held by the cache at admission
+    (the recomputed last page or block included), ever cached in whole units, ever seen."""
+    for cause, end in (
+        ("hit", hit),
+        ("last_token", cached),
+        ("evicted", ever),
+        ("block_floor", seen),
+    ):
+        if t < end:
+            return cause
+    return "first_seen"
+
+
+def oracle_q6() -> str:
+    """A radix tree that never evicts, by prefix arithmetic: it holds, of each earlier
+    prompt, its whole pages; a request is served what it holds, at most its length less one,
+    in whole pages."""
+    trace, u, i = ch08.Q6_TRACE, ch08.Q6_UNIT, ch08.Q6_REQUEST
+    prompt, earlier = trace[i], trace[:i]
+    seen = max((common_len(prompt, q) for q in earlier), default=0)
+    ever = max((common_len(prompt, q) // u * u for q in earlier), default=0)
+    hit = min(ever, (len(prompt) - 1) // u * u)
+    causes = {cause_at(t, hit, ever, ever, seen) for t in range(ch08.Q6_FIRST, ch08.Q6_LAST + 1)}
+    (cause,) = causes
+    return cause
+
+
+def oracle_q7() -> str:
+    """vLLM's block cache by hand: blocks named by their prefix, a free queue of block ids (a
+    finished request's blocks go to its tail last block first; a new block comes from its
+    head, and what the block held is no longer cached)."""
+    trace, bs, i = ch08.Q7_TRACE, ch08.Q7_UNIT, ch08.Q7_REQUEST
+    free = list(range(ch08.Q7_CAPACITY // bs))
+    holds: dict[int, tuple] = {}  # block id -> the prefix its last token ends
+    ever: set[tuple] = set()  # every prefix ever cached as a block
+    for j, prompt in enumerate(trace):
+        keys = [tuple(prompt[: (k + 1) * bs]) for k in range(len(prompt) // bs)]
+        where = {key: b for b, key in holds.items()}
+        cached = 0
+        while cached < len(keys) and keys[cached] in where:
+            cached += 1
+        hit = min(cached, (len(prompt) - 1) // bs)
+        if j == i:
+            was = 0
+            while was < len(keys) and keys[was] in ever:
+                was += 1
+            seen = max((common_len(prompt, q) for q in trace[:i]), default=0)
+            span = range(ch08.Q7_FIRST, ch08.Q7_LAST + 1)
+            (cause,) = {cause_at(t, hit * bs, cached * bs, was * bs, seen) for t in span}
+            return cause
+        table = [where[k] for k in keys[:hit]]
+        for b in table:
+            free.remove(b)
+        for key in keys[hit:] + [None] * (-(-len(prompt) // bs) - len(keys)):
+            b = free.pop(0)
+            holds.pop(b, None)
+            if key is not None:
+                holds[b] = key
+                ever.add(key)
+            table.append(b)
+        free += table[::-1]
+    raise AssertionError("the request is not in the trace")
+
+
 CASES = [
     (ch08.q1, oracle_q1, ch08.Q1_SOLUTION),
     (ch08.q2, oracle_q2, ch08.Q2_SOLUTION),
     (ch08.q3, oracle_q3, ch08.Q3_SOLUTION),
     (ch08.q4, oracle_q4, ch08.Q4_SOLUTION),
     (ch08.q5, oracle_q5, ch08.Q5_SOLUTION),
+    (ch08.q6, oracle_q6, ch08.Q6_SOLUTION),
+    (ch08.q7, oracle_q7, ch08.Q7_SOLUTION),
 ]
 
 
@@ -210,6 +279,16 @@ def diagnosed() -> list:
             [h - o.cached_tokens for o, h in zip(sglang, oracle_q5(), strict=True)],
             "whole path",
         ),
+        (ch08.q6, "hit", "whole pages only"),
+        (ch08.q6, "first_seen", "leaves p0 at token 6"),
+        (ch08.q6, "evicted", "nothing is evicted"),
+        (ch08.q6, "last_token", "no page of p1's tokens 4-7"),
+        (ch08.q6, "hits", "not one of minirad explain's causes"),
+        (ch08.q6, 8, "expected one cause, a str among hit"),
+        (ch08.q7, "evicted", "last one first"),
+        (ch08.q7, "first_seen", "request 0 was a"),
+        (ch08.q7, "last_token", "tokens 8-11"),
+        (ch08.q7, "block_floor", "3 whole blocks"),
     ]
 
 

@@ -47,3 +47,19 @@ def test_one_frame_per_request_at_its_match():
     assert "evicted" in frames[4].caption
     assert not any(n.state == "accessed" for n in frames[4].nodes if n.id)
     assert ex[4].runs[0].cause == "evicted"
+
+
+def test_the_view_stacks_the_tree_over_the_strip_and_the_totals_share_one_scale():
+    from viz.miss_strip import explain_frames, explain_view, totals_svg
+
+    ex, frames = explain_frames(TRACE, capacity=32, page_size=4)
+    view = ET.fromstring(explain_view(frames[4], ex[4].runs, "request 4", totals(ex)))
+    inner = [c for c in view if c.tag == f"{SVG}svg"]
+    assert len(inner) == 2 and int(inner[1].get("y")) > int(inner[0].get("height"))
+    assert inner[1].find(f"{SVG}rect").get("class") == "cause-evicted"
+    block = explain_trace(TRACE, cache="block", capacity=32, block_size=4)
+    bars = ET.fromstring(totals_svg({"radix": totals(ex), "block": totals(block)}))
+    rects = [r for r in bars.iter(f"{SVG}rect") if r.get("class", "").startswith("cause-")]
+    hits = [int(r.get("width")) for r in rects if r.get("class") == "cause-hit"]
+    # One scale: the block cache hits more here (its first block survives), so its bar is longer.
+    assert len(hits) == 2 and hits[1] > hits[0]

@@ -8,6 +8,7 @@ kept it). Width is proportional to tokens; a run never shrinks below a hairline.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from xml.sax.saxutils import escape, quoteattr
 
@@ -15,9 +16,9 @@ from minirad.events import EventBus, MatchEvent
 
 from .frame import Frame
 from .frame_builder import FrameBuilder
-from .svg import FONT, MARGIN, MAX_WIDTH
+from .svg import FONT, MARGIN, MAX_WIDTH, frame_svg
 
-__all__ = ["CAUSE_COLORS", "explain_frames", "miss_strip_svg"]
+__all__ = ["CAUSE_COLORS", "explain_frames", "explain_view", "miss_strip_svg", "totals_svg"]
 
 # cause -> fill; hits green as the paper's "added", the misses warm to cold by how avoidable.
 CAUSE_COLORS = {
@@ -107,20 +108,77 @@ def miss_strip_svg(runs: Sequence, title: str = "", totals: Mapping[str, int] | 
                 present += [cause] if cause not in present else []
         out += _rects(bar, whole, y, BAR_H)
         y += BAR_H + 6
-    x = MARGIN
+    out += _legend(present, y)
+    return _document(out, y + 10 + MARGIN)
+
+
+def _legend(present: Sequence[str], y: int) -> list[str]:
+    """One swatch per cause in ``present``, in :data:`CAUSE_COLORS`' order, on one row."""
+    out, x = [], MARGIN
     for cause in [c for c in CAUSE_COLORS if c in present]:
         out.append(
             f'<rect x="{x}" y="{y}" width="10" height="10" fill="{CAUSE_COLORS[cause]}"/>'
             f'<text x="{x + 14}" y="{y + 9}" font-size="10">{cause}</text>'
         )
         x += 24 + 7 * len(cause)
-    height = y + 10 + MARGIN
+    return out
+
+
+def _document(out: Sequence[str], height: int) -> str:
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{MAX_WIDTH}" height="{height}" '
         f'viewBox="0 0 {MAX_WIDTH} {height}" font-family={quoteattr(FONT)}>'
         + "".join(out)
         + "</svg>"
     )
+
+
+def totals_svg(rows: Mapping[str, Mapping[str, int]], title: str = "") -> str:
+    """Tokens per cause as one bar per row (``{row name: totals}``, e.g. one per cache design
+    or per source), all on one scale (the largest row fills the width), with a legend of the
+    causes present. Hover a span for its tokens and share of its row. Returns the SVG
+    document."""
+    y, out = MARGIN, []
+    if title:
+        out.append(f'<text x="{MARGIN}" y="{y + 10}" font-size="12">{escape(title)}</text>')
+        y += 18
+    scale = max((sum(t.values()) for t in rows.values()), default=0)
+    present: list[str] = []
+    for name, counts in rows.items():
+        whole = sum(counts.values())
+        out.append(
+            f'<text x="{MARGIN}" y="{y + 10}" font-size="11">{escape(name)}: {whole:,} tokens'
+            + (f", {counts.get('hit', 0) / whole:.1%} hit" if whole else "")
+            + "</text>"
+        )
+        y += 14
+        bar, pos = [], 0
+        for cause, count in counts.items():
+            if count:
+                share = f"{name}, {cause}: {count:,} tokens ({count / whole:.1%})"
+                bar.append((pos, pos + count, cause, share))
+                pos += count
+                present += [cause] if cause not in present else []
+        if scale:
+            out += _rects(bar, scale, y, BAR_H)
+        y += BAR_H + 8
+    out += _legend(present, y)
+    return _document(out, y + 10 + MARGIN)
+
+
+def explain_view(frame: Frame, runs: Sequence, title: str = "", totals=None) -> str:
+    """A request's tree at its match (``frame``, one of :func:`explain_frames`' frames, drawn
+    by :func:`viz.svg.frame_svg`) over its strip (:func:`miss_strip_svg` of ``runs``, with
+    ``title`` and ``totals``): where in the cache each run of the prompt was, or was not.
+    Returns one SVG document, :data:`~viz.svg.MAX_WIDTH` px wide."""
+    parts, y, out = (frame_svg(frame), miss_strip_svg(runs, title, totals)), 0, []
+    for part in parts:
+        size = re.match(r'<svg [^>]*?width="(\d+)" height="(\d+)"', part)
+        if size is None:  # both are drawn here: never
+            raise ValueError("a drawing must start <svg ... width=... height=...>")
+        out.append(part.replace("<svg ", f'<svg x="0" y="{y}" ', 1))
+        y += int(size[2]) + 4
+    return _document(out, y)
 
 
 def explain_frames(

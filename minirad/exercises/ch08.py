@@ -9,9 +9,12 @@ by its file name as the chapter keys it, and the :class:`~minirad.engine.LLMEngi
 model with a :class:`~minirad.kv_events.block_events.RadixBlockEvents` publisher for q4 (the model
 is loaded on the first check that needs it). q5 reads the recorded SGLang session
 (:func:`minirad.course.sglang_recording.load`) with SGLang's insert rule,
-:func:`~minirad.kvcache.cached_tokens.kv_len`. Every ``Qn_SOLUTION`` is runnable code that sets
-``answer``; the tests run it and check it with ``qn``, and compute the answers another way
-(vLLM's recorded hashes, plain prefix arithmetic, the paths in SGLang's recorded events).
+:func:`~minirad.kvcache.cached_tokens.kv_len`. q6 and q7 ask the cause of a few tokens of a
+small trace, answered by ``minirad explain``'s replay
+(:func:`~minirad.kv_events.explain_trace.explain_trace`). Every ``Qn_SOLUTION`` is runnable
+code that sets ``answer``; the tests run it and check it with ``qn``, and compute the answers
+another way (vLLM's recorded hashes, plain prefix arithmetic, the paths in SGLang's recorded
+events, a hand-written block table and free queue).
 
 Usage in the notebook::
 
@@ -33,6 +36,8 @@ from minirad.engine import GenerateRequest, LLMEngine, SamplingParams
 from minirad.exercises import Exercise, is_int, is_int_list, wrong_type
 from minirad.kv_events import BlockStored
 from minirad.kv_events.block_events import VLLM_BLOCK_SIZE, RadixBlockEvents
+from minirad.kv_events.explain_trace import explain_trace
+from minirad.kv_events.miss_causes import CAUSES
 from minirad.kvcache.cached_tokens import kv_len
 from minirad.kvcache.kv_cache_manager import KVCacheManager, serve_one_at_a_time
 from minirad.kvcache.multimodal import MultiModalItem
@@ -45,11 +50,27 @@ __all__ = [
     "Q3_BLOCK_SIZE",
     "Q4_BLOCK_SIZE",
     "Q4_OUTPUT_LEN",
+    "Q6_CACHE",
+    "Q6_CAPACITY",
+    "Q6_FIRST",
+    "Q6_LAST",
+    "Q6_REQUEST",
+    "Q6_TRACE",
+    "Q6_UNIT",
+    "Q7_CACHE",
+    "Q7_CAPACITY",
+    "Q7_FIRST",
+    "Q7_LAST",
+    "Q7_REQUEST",
+    "Q7_TRACE",
+    "Q7_UNIT",
     "q1",
     "q2",
     "q3",
     "q4",
     "q5",
+    "q6",
+    "q7",
 ]
 
 # q1: a prompt of Q1_PROMPT_LEN tokens, all of them (and more) cached by an earlier request.
@@ -405,4 +426,125 @@ q5 = Exercise(
     "the model: each request's finish_reason says how it ended, and section 7 says which "
     "endings feed their last token.",
     Q5_SOLUTION,
+)
+
+
+# ------------------------------------------------------------------------------------- q6, q7
+# "What is the cause of tokens a..b of request i?": small traces replayed one request at a time
+# by minirad explain's replay (:func:`~minirad.kv_events.explain_trace.explain_trace`).
+# q6: a radix tree in pages of 4 that never evicts; p1 shares p0's first 6 tokens.
+Q6_P0 = list(range(1, 11))
+Q6_TRACE = [Q6_P0, Q6_P0[:6] + [50, 51, 52, 53], Q6_P0 + list(range(20, 26))]
+Q6_CACHE, Q6_CAPACITY, Q6_UNIT = "radix", 64, 4
+Q6_REQUEST, Q6_FIRST, Q6_LAST = 1, 4, 5
+# q7: vLLM's block cache of 4 blocks of 4 tokens: a, then b (which needs room), then a again.
+Q7_A, Q7_B = list(range(10, 22)), list(range(40, 52))
+Q7_TRACE = [Q7_A, Q7_B, Q7_A]
+Q7_CACHE, Q7_CAPACITY, Q7_UNIT = "block", 16, 4
+Q7_REQUEST, Q7_FIRST, Q7_LAST = 2, 0, 3
+
+
+@functools.cache
+def _runs(trace: tuple, cache: str, capacity: int, unit: int) -> tuple:
+    """Each request's runs, ``minirad explain``'s replay of ``trace`` (a tuple of tuples)."""
+    explained = explain_trace(
+        [list(p) for p in trace], cache=cache, capacity=capacity, page_size=unit, block_size=unit
+    )
+    return tuple(tuple(e.runs) for e in explained)
+
+
+def _cause_of(trace, cache: str, capacity: int, unit: int, request: int, first: int, last: int):
+    """The run that holds tokens ``first .. last`` of ``request`` (they share one cause)."""
+    runs = _runs(tuple(map(tuple, trace)), cache, capacity, unit)[request]
+    (run,) = [r for r in runs if r.start <= first and last < r.end]
+    return run
+
+
+def _check_cause(answer: object, run, why_not: dict[str, str]) -> str | None:
+    """``answer`` against ``run``'s cause; ``why_not``: the reason for each other cause."""
+    if not isinstance(answer, str):
+        return wrong_type(f"one cause, a str among {', '.join(CAUSES)}", answer)
+    if answer not in CAUSES:
+        return f"{answer!r} is not one of minirad explain's causes: {', '.join(CAUSES)}"
+    if answer == run.cause:
+        return None
+    return why_not[answer]
+
+
+def _check_q6(answer: object) -> str | None:
+    run = _cause_of(Q6_TRACE, Q6_CACHE, Q6_CAPACITY, Q6_UNIT, Q6_REQUEST, Q6_FIRST, Q6_LAST)
+    u = Q6_UNIT
+    why_not = {
+        "hit": (
+            f"p0 had these tokens after the same prefix, but a cache in pages of {u} serves "
+            f"whole pages only: p0's page of tokens 4-7 is [5, 6, 7, 8], p1's [5, 6, 50, 51]"
+        ),
+        "first_seen": (
+            "p0 had tokens 4 and 5 right after the same 4 tokens: p1 leaves p0 at token 6, "
+            "not before"
+        ),
+        "evicted": f"a cache of {Q6_CAPACITY} tokens holds all three prompts: nothing is evicted",
+        "last_token": (
+            "last_token is a page the cache held for this prompt and computed again; the cache "
+            "held no page of p1's tokens 4-7"
+        ),
+    }
+    return _check_cause(answer, run, why_not)
+
+
+Q6_SOLUTION = """\
+from minirad.kv_events.explain_trace import explain_trace
+
+p0 = list(range(1, 11))
+trace = [p0, p0[:6] + [50, 51, 52, 53], p0 + list(range(20, 26))]
+explained = explain_trace(trace, cache="radix", capacity=64, page_size=4)
+answer = next(r.cause for r in explained[1].runs if r.start <= 4 and 5 < r.end)
+# 'block_floor': p1 = hit 0-3 (p0's first page), block_floor 4-5, first_seen 6-9. p0 had
+# tokens 4 and 5 after the same prefix, but the page that holds them (tokens 4-7) holds
+# p0's 7 and 8 at 6 and 7: no page of p1's tokens 4-7 was ever cached."""
+
+q6 = Exercise(
+    "q6 the cause of a shared prefix inside a page",
+    _check_q6,
+    "Write the pages: p0 cached [1 2 3 4] [5 6 7 8] (its last 2 tokens fill no page). Which "
+    "of them can p1's tokens 4-7 use, and did an earlier prompt have tokens 4 and 5 after "
+    "tokens 0-3?",
+    Q6_SOLUTION,
+)
+
+
+def _check_q7(answer: object) -> str | None:
+    run = _cause_of(Q7_TRACE, Q7_CACHE, Q7_CAPACITY, Q7_UNIT, Q7_REQUEST, Q7_FIRST, Q7_LAST)
+    why_not = {
+        "evicted": (
+            "that is a radix tree's answer, whose leaf goes whole; a block cache frees a "
+            "request's blocks last one first into its LRU queue, so b took a's last two "
+            "blocks and left its first"
+        ),
+        "first_seen": "request 0 was a: the same tokens, cached as 3 whole blocks",
+        "last_token": (
+            "a holds 12 tokens: at most (12 - 1) // 4 = 2 blocks hit, so the recomputed block is "
+            "tokens 8-11, not 0-3"
+        ),
+        "block_floor": "a's 12 tokens fill 3 whole blocks: every one of them was cached",
+    }
+    return _check_cause(answer, run, why_not)
+
+
+Q7_SOLUTION = """\
+from minirad.kv_events.explain_trace import explain_trace
+
+a, b = list(range(10, 22)), list(range(40, 52))
+explained = explain_trace([a, b, a], cache="block", capacity=16, block_size=4)
+answer = next(r.cause for r in explained[2].runs if r.start <= 0 and 3 < r.end)
+# 'hit': b needs 3 of the 4 blocks and 1 is free, so 2 of a's are evicted. a's blocks went
+# into the free queue last block first: the LRU takes blocks 2 and 1 and keeps block 0.
+# The third request: hit 0-3, evicted 4-11. (A radix tree would evict a's leaf whole.)"""
+
+q7 = Exercise(
+    "q7 the cause after an eviction in blocks",
+    _check_q7,
+    "Follow vLLM's free queue: a finished request's blocks go to its tail in reverse order "
+    "(last block first), and a new block is taken from its head, evicting what it held.",
+    Q7_SOLUTION,
 )
