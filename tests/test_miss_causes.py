@@ -54,12 +54,21 @@ def test_every_cause_on_a_scripted_trace(cache):
 
 
 def test_an_image_fork_is_named_in_the_detail():
-    vocab = 1000  # pad ids (one per image) are >= the vocabulary size
-    img1, img2 = [5000] * 8, [6000] * 8
+    """Pad ids (one per image, :func:`pad_value`: the vocabulary size plus the whole digest)
+    are shown by their hash's first hex digits, never as 77-digit numbers."""
+    from minirad.kvcache.multimodal import pad_value
+
+    vocab = 1000
+    h1, h2 = "ab" * 32, "cd" * 32
+    img1, img2 = [pad_value(h1, vocab)] * 8, [pad_value(h2, vocab)] * 8
     ex = explain_trace([[1, 2, *img1, 3], [1, 2, *img2, 3]], vocab_size=vocab)
     (hit, new) = ex[1].runs
     assert (hit.cause, hit.end, new.cause) == ("hit", 2, "first_seen")
-    assert new.detail == {"at": 2, "token": 6000, "seen_next": [5000], "image": True}
+    assert new.detail == {
+        "at": 2,
+        "token": "image cdcdcdcdcdcd",
+        "seen_next": ["image abababababab"],
+    }
 
 
 def lcp(a: list[int], b: list[int]) -> int:
@@ -179,3 +188,26 @@ def test_min_says_whether_an_eviction_could_have_been_avoided():
     assert spans(ex[3]) == [(0, 20, "evicted")]
     assert ex[3].runs[0].detail["by_request"] == 2 and ex[3].runs[0].detail["min_kept"]
     assert mins.request_hit_tokens[3] == 16
+
+
+def test_a_huge_capacity_costs_nothing_and_a_page_larger_than_it_is_named():
+    """Found by the hostile pass: --capacity 10**9 allocated a billion simulated slots."""
+    ex = explain_trace([[1, 2, 3], [1, 2, 3]], capacity=10**9)
+    assert [r.cause for r in ex[1].runs] == ["hit", "last_token"]
+    with pytest.raises(InvalidArgumentError, match="page_size 8 is larger than the capacity 4"):
+        explain_trace([[1, 2, 3]], capacity=4, page_size=8)
+
+
+def test_a_fifo_or_a_network_image_is_a_one_line_error(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert main(["explain", str(fifo)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    parts = [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"messages": [{"role": "user", "content": parts}]}) + "\n")
+    assert main(["explain", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:1" in err and "fetches no images over the network" in err

@@ -16,9 +16,11 @@ the server's KV events and each response's ``cached_tokens``
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
-from minirad.errors import InvalidArgumentError, RequestError
+from minirad.errors import ImageError, InvalidArgumentError, RequestError
 
 __all__ = ["format_report", "load_trace", "run_explain"]
 
@@ -42,7 +44,8 @@ def _messages_prompt(line: dict, where: str, processor, media) -> tuple[str, lis
                     url = part.get("image_url")
                     url = str(url.get("url", "") if isinstance(url, dict) else url)
                     name = url.removeprefix("file://")
-                    if url and not url.startswith("data:") and not Path(name).is_absolute():
+                    local = url and not url.startswith("data:") and "://" not in name
+                    if local and not Path(name).is_absolute():
                         url = str(media.path / name)  # relative to the trace's folder
                     images.append(image_from_url(url, media))
                     parts.append({"type": "image"})
@@ -63,6 +66,8 @@ def load_trace(path: str | Path, model: str | None = None) -> tuple[list[list[in
     """
     path = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would wait for a writer forever
+            raise InvalidArgumentError(f"{path} is not a regular file")
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidArgumentError(f"cannot read {path}: {e}") from None
@@ -94,8 +99,12 @@ def load_trace(path: str | Path, model: str | None = None) -> tuple[list[list[in
             if processor is None:
                 processor, media = _chat_processor(model, path.parent)
                 vocab_size = processor.vocab_size
-            prompt, images = _messages_prompt(line, where, processor.processor, media)
-            prompts.append(processor.process(prompt, images).key_ids)
+            try:
+                prompt, images = _messages_prompt(line, where, processor.processor, media)
+                prompts.append(processor.process(prompt, images).key_ids)
+            except (RequestError, ImageError) as e:
+                message = str(e)
+                raise type(e)(message if message.startswith(where) else f"{where}: {e}") from None
         else:
             raise InvalidArgumentError(
                 f"{where}: a line needs 'prompt_token_ids' (a list) or 'messages' (a list)"
@@ -148,7 +157,9 @@ def format_report(explained, totals: dict[str, int], worst: int = 5) -> str:
                 for r in e.runs
                 if r.cause != "hit"
             )
-            lines.append(f"  request {e.request}: {e.num_tokens - e.tokens('hit')} missed: {runs}")
+            lines.append(
+                f"  request {e.request}: {e.num_tokens - e.tokens('hit'):,} missed: {runs}"
+            )
     return "\n".join(lines)
 
 

@@ -55,7 +55,11 @@ class ExplainedRequest:
         return sum(r.end - r.start for r in self.runs if r.cause == cause)
 
     def to_dict(self) -> dict:
-        return {"request": self.request, "runs": [r.to_dict() for r in self.runs]}
+        return {
+            "request": self.request,
+            "num_tokens": self.num_tokens,
+            "runs": [r.to_dict() for r in self.runs],
+        }
 
 
 def totals(explained: Sequence[ExplainedRequest]) -> dict[str, int]:
@@ -166,6 +170,9 @@ def check_trace(
         if type(v) is not int or v <= 0:
             raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
     unit = page_size if cache == "radix" else block_size
+    if unit > capacity:
+        what = "page_size" if cache == "radix" else "block_size"
+        raise InvalidArgumentError(f"{what} {unit} is larger than the capacity {capacity}")
     out = []
     for i, prompt in enumerate(prompts):
         prompt = [int(t) for t in prompt]
@@ -179,10 +186,19 @@ def check_trace(
     return out
 
 
+def simulated_capacity(prompts: Sequence[Sequence[int]], capacity: int, unit: int) -> int:
+    """``capacity``, or less when the trace cannot fill it: a cache larger than every prompt
+    together (in whole units) never evicts, and the replay's pool need not be that large in
+    memory (``--capacity 10**9`` must not allocate a billion slots)."""
+    need = sum(-(-len(p) // unit) * unit for p in prompts)
+    return min(capacity, max(need, unit))
+
+
 def optimal(prompts: Sequence[Sequence[int]], capacity: int, unit: int) -> OptimalResult:
     """Belady's MIN on the same requests, in the same order, one at a time, with a pool of
     ``capacity`` tokens in pages of ``unit`` (:func:`minirad.kvcache.belady.belady`): what
     the best eviction could have served each request."""
+    capacity = simulated_capacity(prompts, capacity, unit)
     requests = [TraceRequest(f"r{i}", i, 0, [int(t) for t in p], []) for i, p in enumerate(prompts)]
     events = [
         TraceEvent(float(i), kind, i) for i in range(len(requests)) for kind in ("start", "finish")
@@ -212,6 +228,7 @@ def explain_trace(
         InvalidArgumentError: see :func:`check_trace`.
     """
     prompts = check_trace(prompts, cache, capacity, page_size, block_size)
+    capacity = simulated_capacity(prompts, capacity, page_size if cache == "radix" else block_size)
     history = PrefixHistory()
     if cache == "radix":
         replay = _RadixReplay(history, capacity - capacity % page_size, page_size, policy, bus)

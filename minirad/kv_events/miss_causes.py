@@ -129,7 +129,7 @@ class PrefixHistory:
             other = [walked[-1].key[cut]]
         else:
             node = walked[-1] if walked else self.tree.root_node
-            other = sorted(c.key[0] for c in node.children.values())[:8]
+            other = sorted(c.key[0] for c in node.children.values())
         return spans, seen, other
 
 
@@ -190,9 +190,15 @@ def label_runs(
     add(max(ever, cached), max(seen, cached), "block_floor")
     at = max(seen, cached)
     if at < n:
-        detail: dict = {"at": at, "token": int(tokens[at]), "seen_next": [int(t) for t in other]}
-        if vocab_size is not None:
-            sides = [int(tokens[at]), *detail["seen_next"]]
-            detail["image"] = any(t >= vocab_size for t in sides)
+
+        def show(t: int) -> int | str:  # an image's pad id, 77 digits, as its hash's head
+            if vocab_size is not None and t >= vocab_size:
+                return f"image {t - vocab_size:064x}"[:18]
+            return int(t)
+
+        detail: dict = {"at": at, "token": show(int(tokens[at]))}
+        detail["seen_next"] = [show(int(t)) for t in other[:8]]
+        if len(other) > 8:
+            detail["seen_next_more"] = len(other) - 8
         add(at, n, "first_seen", detail)
     return runs

@@ -177,7 +177,7 @@ class SamplingFields(_Body):
     guided_choice: list[str] | None = None
     # minirad's own: the usage says why each prompt token hit or missed (docs/serving.md).
     # vLLM and SGLang ignore a field they do not know, so a client may send it to either.
-    minirad_explain: bool = False
+    minirad_explain: bool | None = False  # null: unset, as OpenAI clients send it
 
     # Fields of OpenAI's API or vLLM's that would change the answer, and that the engine does
     # not implement, with their "off" values: refused unless off, never silently ignored.
