@@ -63,3 +63,15 @@ def test_the_view_stacks_the_tree_over_the_strip_and_the_totals_share_one_scale(
     hits = [int(r.get("width")) for r in rects if r.get("class") == "cause-hit"]
     # One scale: the block cache hits more here (its first block survives), so its bar is longer.
     assert len(hits) == 2 and hits[1] > hits[0]
+
+
+def test_the_browser_shows_the_selected_request():
+    from viz.miss_strip import explain_browser, explain_frames
+
+    ex, frames = explain_frames(TRACE, capacity=32, page_size=4)
+    box = explain_browser(ex, frames, totals(ex))
+    pick, view = box.children
+    first = pick.value  # the request that missed most comes first
+    assert max(ex, key=lambda e: e.num_tokens - e.tokens("hit")).request == first
+    pick.value = 1
+    assert "request 1" in view.value and "cause-last_token" in view.value

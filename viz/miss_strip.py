@@ -219,3 +219,35 @@ def explain_frames(
         bus=bus,
     )
     return explained, builder.frames
+
+
+def explain_browser(explained: Sequence, frames: Sequence[Frame] | None = None, totals=None):
+    """Select a request, see why it missed: a dropdown of the requests (most tokens missed
+    first) over :func:`explain_view` of the chosen one (its tree at its match, when
+    ``frames`` are given, :func:`explain_frames`') or its strip alone. An ipywidgets
+    ``VBox``; its ``children[1].value`` is the drawing's HTML."""
+    import ipywidgets as widgets
+
+    order = sorted(explained, key=lambda e: (e.tokens("hit") - e.num_tokens, e.request))
+    options = [
+        (
+            f"request {e.request}: {e.num_tokens - e.tokens('hit'):,} of {e.num_tokens:,} missed",
+            e.request,
+        )
+        for e in order
+    ]
+    by_index = {e.request: e for e in explained}
+    pick = widgets.Dropdown(options=options, description="request")
+    view = widgets.HTML()
+
+    def show(change=None) -> None:
+        e = by_index[pick.value]
+        title = f"request {e.request}"
+        if frames is not None:
+            view.value = explain_view(frames[e.request], e.runs, title, totals)
+        else:
+            view.value = miss_strip_svg(e.runs, title, totals)
+
+    pick.observe(show, names="value")
+    show()
+    return widgets.VBox([pick, view])
