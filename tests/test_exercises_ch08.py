@@ -287,7 +287,7 @@ def diagnosed() -> list:
         (ch08.q6, 8, "expected one cause, a str among hit"),
         (ch08.q7, "evicted", "last one first"),
         (ch08.q7, "first_seen", "request 0 was a"),
-        (ch08.q7, "last_token", "tokens 8-11"),
+        (ch08.q7, "last_token", "tokens 0-3 are in the first"),
         (ch08.q7, "block_floor", "3 whole blocks"),
     ]
 

@@ -226,7 +226,7 @@ def test_minirad_explain_from_a_recording(capsys):
     assert main(["explain", "--from-recording", str(VLLM)]) == 0
     out = capsys.readouterr().out
     assert "6 requests, 573 prompt tokens" in out
-    assert "unknown" in out and "request 2: 98 missed: 0-24 block_floor" in out
+    assert "unknown" in out and "request 2: 98 missed: tokens 0-23 block_floor" in out
     assert main(["explain", "--from-recording", str(VLLM), "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["request"] for x in lines] == list(range(6))

@@ -113,8 +113,8 @@ def test_minirad_explain_prints_totals_and_json_lines(tmp_path, capsys):
     out = capsys.readouterr().out
     for cause in CAUSES:
         assert cause in out
-    assert "request 4: 20 missed: 0-20 evicted (by request 3" in out
-    assert "Belady's MIN, same order and capacity: hit rate" in out
+    assert "request 4: 20 missed: tokens 0-19 evicted (by request 3" in out
+    assert "Belady's MIN (the best any eviction could do), same order and capacity" in out
     served = re.search(r"of the 48 evicted tokens, MIN would have served (\d+)", out)
     assert served and int(served[1]) <= 48  # 20 of request 4 and 28 of request 5
     assert main([*args, "--cache", "block", "--block-size", "4", "--json"]) == 0
@@ -179,14 +179,15 @@ def test_min_says_whether_an_eviction_could_have_been_avoided():
     mins = optimal(TRACE, 32, 4)
     assert mins.request_hit_tokens[4] == 0  # B evicts A under any policy
     ex = explain_trace(TRACE, capacity=32, page_size=4, min_hits=mins.request_hit_tokens)
-    assert ex[4].runs[0].detail["min_kept"] is False
+    assert ex[4].runs[0].detail["min_kept"] == 0
     # A, then B, fill the cache; C needs two pages: LRU evicts A (the older), MIN evicts B
     # (never used again) and keeps A for request 3.
     trace = [A, B[:20], list(range(400, 408)), A]
     mins = optimal(trace, 40, 4)
     ex = explain_trace(trace, capacity=40, page_size=4, min_hits=mins.request_hit_tokens)
     assert spans(ex[3]) == [(0, 20, "evicted")]
-    assert ex[3].runs[0].detail["by_request"] == 2 and ex[3].runs[0].detail["min_kept"]
+    assert ex[3].runs[0].detail["by_request"] == 2
+    assert ex[3].runs[0].detail["min_kept"] == 16  # all it could serve: 19 tokens, pages of 4
     assert mins.request_hit_tokens[3] == 16
 
 

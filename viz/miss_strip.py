@@ -39,10 +39,11 @@ STRIP_H, BAR_H, ROW = 22, 14, 34
 def _detail(detail: Mapping) -> str:
     parts = []
     if "by_request" in detail:
-        parts.append(f"evicted at time {detail['time']} for request {detail['by_request']}")
+        parts.append(f"evicted at tick {detail['time']} for request {detail['by_request']}")
         parts.append(f"policy {detail['policy']}")
     if "min_kept" in detail:
-        parts.append("MIN would have kept it" if detail["min_kept"] else "MIN would not either")
+        n = detail["min_kept"]
+        parts.append(f"MIN would have served {n} of them" if n else "MIN would not have kept them")
     if "at" in detail:
         parts.append(
             f"left the earlier prompts at token {detail['at']}: {detail['token']} where they "

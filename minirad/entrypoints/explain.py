@@ -73,6 +73,7 @@ def load_trace(path: str | Path, model: str | None = None) -> tuple[list[list[in
         raise InvalidArgumentError(f"cannot read {path}: {e}") from None
     processor = media = None
     prompts: list[list[int]] = []
+    id_lines: list[tuple[str, int]] = []  # (file:line, its largest id)
     vocab_size = None
     for number, text in enumerate(lines, start=1):
         where = f"{path}:{number}"
@@ -95,6 +96,7 @@ def load_trace(path: str | Path, model: str | None = None) -> tuple[list[list[in
                     f"{where}: 'prompt_token_ids' must be a non-empty list of ints >= 0"
                 )
             prompts.append(ids)
+            id_lines.append((where, max(ids)))
         elif isinstance(line.get("messages"), list):
             if processor is None:
                 processor, media = _chat_processor(model, path.parent)
@@ -111,6 +113,11 @@ def load_trace(path: str | Path, model: str | None = None) -> tuple[list[list[in
             )
     if not prompts:
         raise InvalidArgumentError(f"{path}: no requests")
+    for where, top in id_lines:  # beside chat lines, ids at or above it would read as images
+        if vocab_size is not None and top >= vocab_size:
+            raise InvalidArgumentError(
+                f"{where}: token id {top} is outside the model's vocabulary ({vocab_size})"
+            )
     return prompts, vocab_size
 
 
@@ -153,7 +160,7 @@ def format_report(explained, totals: dict[str, int], worst: int = 5) -> str:
             if e.num_tokens == e.tokens("hit"):
                 break
             runs = ", ".join(
-                f"{r.start}-{r.end} {r.cause}{_detail(r.detail)}"
+                f"tokens {r.start}-{r.end - 1} {r.cause}{_detail(r.detail)}"
                 for r in e.runs
                 if r.cause != "hit"
             )
@@ -165,9 +172,10 @@ def format_report(explained, totals: dict[str, int], worst: int = 5) -> str:
 
 def _detail(detail: dict) -> str:
     if "by_request" in detail:
-        kept = {True: "; MIN would have kept it", False: ""}.get(detail.get("min_kept"), "")
+        n = detail.get("min_kept")
+        kept = f"; MIN would have served {n:,} of them" if n else ""
         return (
-            f" (by request {detail['by_request']} at time {detail['time']}, {detail['policy']}"
+            f" (by request {detail['by_request']} at tick {detail['time']}, {detail['policy']}"
             f"{kept})"
         )
     if "at" in detail:
@@ -175,7 +183,7 @@ def _detail(detail: dict) -> str:
         if not detail["seen_next"]:
             if not detail["at"]:
                 return " (no earlier prompt)"
-            return f" (earlier prompts ended at token {detail['at']})"
+            return f" (earlier prompts ended before token {detail['at']})"
         return f" (token {detail['token']}{image} where earlier prompts had {detail['seen_next']})"
     if "seq" in detail:  # a real server's removal (explain_events)
         cleared = ", all blocks cleared" if detail.get("cleared") else ""
@@ -217,10 +225,10 @@ def run_explain(args, out=print) -> int:
         report = format_report(explained, by_cause)
         if best is not None:
             evicted = [r for e in explained for r in e.runs if r.cause == "evicted"]
-            kept = sum(r.end - r.start for r in evicted if r.detail.get("min_kept"))
+            kept = sum(r.detail.get("min_kept", 0) for r in evicted)
             report += (
-                f"\nBelady's MIN, same order and capacity: hit rate {best.hit_rate:.1%} "
-                f"(upper bound {best.bound_hit_rate:.1%}); of the {by_cause['evicted']:,} "
+                f"\nBelady's MIN (the best any eviction could do), same order and capacity: hit "
+                f"rate {best.hit_rate:.1%}; of the {by_cause['evicted']:,} "
                 f"evicted tokens, MIN would have served {kept:,}"
             )
         out(report)

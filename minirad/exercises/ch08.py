@@ -523,8 +523,8 @@ def _check_q7(answer: object) -> str | None:
         ),
         "first_seen": "request 0 was a: the same tokens, cached as 3 whole blocks",
         "last_token": (
-            "a holds 12 tokens: at most (12 - 1) // 4 = 2 blocks hit, so the recomputed block is "
-            "tokens 8-11, not 0-3"
+            "a holds 12 tokens: at most (12 - 1) // 4 = 2 blocks could hit, and tokens 0-3 are "
+            "in the first of them; last_token is a cached block past those, computed again"
         ),
         "block_floor": "a's 12 tokens fill 3 whole blocks: every one of them was cached",
     }

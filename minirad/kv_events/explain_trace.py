@@ -221,7 +221,8 @@ def explain_trace(
     every prompt's runs. (``page_size`` and ``policy`` are the radix tree's, ``block_size``
     the block cache's, whose policy is LRU.) With ``min_hits`` (each request's hits under
     Belady's MIN, :func:`optimal`), an evicted run's detail says whether MIN would have kept
-    it (``min_kept``: MIN served the request past the run's end). ``bus``: the radix cache's
+    it (``min_kept``: how many of the run's tokens MIN served this request; a run of tokens
+    past the last servable page counts only its servable part). ``bus``: the radix cache's
     and its pool's event bus (a viewer attached to it sees the replay; radix only).
 
     Raises:
@@ -248,7 +249,7 @@ def explain_trace(
                     r.start,
                     r.end,
                     r.cause,
-                    r.detail | {"min_kept": min_hits[i] >= min(r.end, servable)},
+                    r.detail | {"min_kept": max(0, min(min_hits[i], servable, r.end) - r.start)},
                 )
                 if r.cause == "evicted"
                 else r
