@@ -100,17 +100,24 @@ def miss_strip_svg(runs: Sequence, title: str = "", totals: Mapping[str, int] | 
         whole = sum(totals.values())
         out.append(f'<text x="{MARGIN}" y="{y + 10}" font-size="11">all requests</text>')
         y += 14
-        bar, pos = [], 0
-        for cause, count in totals.items():
-            if count:
-                share = f"{cause}: {count:,} tokens ({count / whole:.1%})"
-                bar.append((pos, pos + count, cause, share))
-                pos += count
-                present += [cause] if cause not in present else []
+        bar = _bar(totals, "")
+        present += [c for _, _, c, _ in bar if c not in present]
         out += _rects(bar, whole, y, BAR_H)
         y += BAR_H + 6
     out += _legend(present, y)
     return _document(out, y + 10 + MARGIN)
+
+
+def _bar(counts: Mapping[str, int], label: str) -> list[tuple[int, int, str, str]]:
+    """One bar's spans ``(start, end, cause, hover text)``: the causes with tokens, in order."""
+    whole, pos, out = sum(counts.values()), 0, []
+    for cause, count in counts.items():
+        if count:
+            out.append(
+                (pos, pos + count, cause, f"{label}{cause}: {count:,} tokens ({count / whole:.1%})")
+            )
+            pos += count
+    return out
 
 
 def _legend(present: Sequence[str], y: int) -> list[str]:
@@ -153,13 +160,8 @@ def totals_svg(rows: Mapping[str, Mapping[str, int]], title: str = "") -> str:
             + "</text>"
         )
         y += 14
-        bar, pos = [], 0
-        for cause, count in counts.items():
-            if count:
-                share = f"{name}, {cause}: {count:,} tokens ({count / whole:.1%})"
-                bar.append((pos, pos + count, cause, share))
-                pos += count
-                present += [cause] if cause not in present else []
+        bar = _bar(counts, f"{name}, ")
+        present += [c for _, _, c, _ in bar if c not in present]
         if scale:
             out += _rects(bar, scale, y, BAR_H)
         y += BAR_H + 8
