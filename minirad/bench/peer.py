@@ -36,7 +36,15 @@ from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
 from minirad.models import DEFAULT_MODEL_DIR
 from minirad.peers.vllm_env import vllm_python
 
-__all__ = ["WORKER", "VLLMPeer", "WorkerPeer", "describe_threads", "kv_memory", "report_threads"]
+__all__ = [
+    "WORKER",
+    "VLLMPeer",
+    "WorkerPeer",
+    "describe_threads",
+    "kv_memory",
+    "process_lines",
+    "report_threads",
+]
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 _FRAME = struct.Struct(">I")
@@ -433,15 +441,23 @@ def describe_threads(info: dict) -> str:
         f"{info['max_num_seqs']}, VLLM_CPU_OMP_THREADS_BIND={info['omp_threads_bind']}; "
         "its processes:"
     ]
-    for i, p in enumerate(info["processes"]):
-        role = f", front end, torch {info['frontend_torch_threads']} threads" if i == 0 else ""
+    role = f", front end, torch {info['frontend_torch_threads']} threads"
+    return "\n".join(lines + process_lines(info["processes"], role))
+
+
+def process_lines(processes: Sequence[dict], first_role: str) -> list[str]:
+    """A worker's processes (its ``info``'s), one line each: threads, CPUs, environment and
+    memory; ``first_role`` tells what the first one is (the front end)."""
+    lines = []
+    for i, p in enumerate(processes):
+        role = first_role if i == 0 else ""
         cpus = ", ".join(f"{n} on cpus {c}" for c, n in sorted(p["cpus"].items()))
         env = "".join(f" {k}={v}" for k, v in sorted(p["env"].items()))
         mem = "" if p.get("rss") is None else f", RSS {p['rss'] / 2**20:.0f} MiB"
         lines.append(
             f"  {p['name']} (pid {p['pid']}{role}): {p['threads']} threads, {cpus}{env}{mem}"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def report_threads(peers: WorkerPeer | Sequence[WorkerPeer] | None) -> dict[str, str]:

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 from minirad.bench.common import KVMemory, Workload
-from minirad.bench.peer import WorkerPeer
+from minirad.bench.peer import WorkerPeer, process_lines
 from minirad.errors import InvalidArgumentError, PeerError
 from minirad.peers.server_process import usable_cpus
 from minirad.peers.sglang_env import sglang_python
@@ -272,12 +272,4 @@ def describe_threads(info: dict) -> str:
         f"{info['attention_backend']} attention, sleep_on_idle, CPUs {bind}, "
         f"OMP_NUM_THREADS={info['omp_num_threads']}; its processes:"
     ]
-    for i, p in enumerate(info["processes"]):
-        role = ", tokenizer manager" if i == 0 else ""
-        cpus = ", ".join(f"{n} on cpus {c}" for c, n in sorted(p["cpus"].items()))
-        env = "".join(f" {k}={v}" for k, v in sorted(p["env"].items()))
-        mem = "" if p.get("rss") is None else f", RSS {p['rss'] / 2**20:.0f} MiB"
-        lines.append(
-            f"  {p['name']} (pid {p['pid']}{role}): {p['threads']} threads, {cpus}{env}{mem}"
-        )
-    return "\n".join(lines)
+    return "\n".join(lines + process_lines(info["processes"], ", tokenizer manager"))
