@@ -187,8 +187,10 @@ def vllm_server(vllm_python):
     from minirad.course import recordings
     from minirad.peers.vllm_server import VLLMServer
 
-    with VLLMServer(python=vllm_python) as server:
+    said: list[str] = []  # what start(progress=...) said: tests/test_vllm_recording.py
+    with VLLMServer(python=vllm_python).start(progress=said.append) as server:
         print(f"vLLM server up in {server.startup_s:.1f} s")
+        server.start_lines = said
         yield server, recordings.record(server)
 
 

@@ -1,5 +1,6 @@
 """An ASGI app served by uvicorn in a thread of the test process, on a free 127.0.0.1 port:
-the server tests talk to it over real HTTP while holding the engine it wraps."""
+the server tests talk to it over real HTTP while holding the engine it wraps. And what a real
+engine's start must have said (:func:`check_start_lines`)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,11 @@ def serving(app, log_level: str = "warning") -> Iterator[str]:
         server.should_exit = True
         thread.join()
         sock.close()
+
+
+def check_start_lines(server) -> None:
+    """Every stage of the server's start was said, in order, then that it was ready: the log
+    lines :attr:`stages` looks for are the ones this version prints."""
+    texts = [line.split(" s  ", 1)[1] for line in server.start_lines]
+    stages = [t for t in texts if not t.startswith(("starting at", "... still"))]
+    assert stages == [doing for _, doing in server.stages] + ["ready: /health answers"], texts

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 
 import pytest
 
 from minirad.cluster.replicas import MiniradWorker
 from minirad.errors import InvalidArgumentError, PeerError
-from minirad.peers.server_process import usable_cpus
+from minirad.peers import server_process
+from minirad.peers.server_process import ServerProcess, usable_cpus
 
 
 @pytest.mark.parametrize("cpus", [[], [True], 0, "0", [max(usable_cpus()) + 1]])
@@ -64,3 +66,51 @@ def test_a_restart_waits_out_a_port_held_for_a_moment():
     finally:
         worker.stop()
         holder.close()
+
+
+# A server that logs two milestones, falls silent, then answers /health: what
+# start(progress=...) must say about it, from its log alone.
+FAKE_SERVER = """
+import http.server, sys, time
+print("loading: alpha", flush=True)
+time.sleep(0.5)
+print("noise\\nbeta reached", flush=True)
+time.sleep(2.0)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+class Milestones(ServerProcess):
+    name = "fake"
+    stages = ((r"alpha", "doing alpha"), (r"beta", "doing beta"), (r"gamma", "never"))
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", FAKE_SERVER, str(self.port)]
+
+
+def test_a_start_says_each_stage_its_log_reaches_and_that_it_is_still_at_it(monkeypatch):
+    """A real engine starts for one to four minutes on 2 cores; a chapter's live cell printed
+    nothing meanwhile. ``start(progress=...)`` says each stage as its log line arrives, then,
+    after HEARTBEAT_S of silence, that the server is still at the last one."""
+    monkeypatch.setattr(server_process, "HEARTBEAT_S", 0.8)
+    said: list[str] = []
+    server = Milestones().start(timeout_s=60, progress=said.append)
+    server.stop()
+    texts = [line.split(" s  ", 1)[1] for line in said]
+    assert texts[0].startswith(f"starting at {server.base_url}")
+    assert texts[1:3] == ["doing alpha", "doing beta"]
+    assert "... still doing beta" in texts[3:-1]
+    assert texts[-1] == "ready: /health answers"
+    assert all(line.startswith("fake ") for line in said)
+    assert "never" not in texts
+
+
+def test_a_silent_start_says_nothing():
+    server = Milestones().start(timeout_s=60)  # progress=None: as before
+    server.stop()
+    assert server.startup_s > 0

@@ -22,6 +22,7 @@ import time
 
 import msgspec
 import pytest
+import servers
 import zmq
 
 import viz
@@ -299,9 +300,12 @@ def live(sglang_python):
     the session is recorded again. Yields ``(server, view, items, session)``."""
     from minirad.peers.sglang_server import SGLangServer
 
-    with SGLangServer(
+    said: list[str] = []  # what start(progress=...) said
+    server = SGLangServer(
         text_model_dir(), python=sglang_python, **sglang_recording.SERVER_SETTINGS
-    ) as server:
+    )
+    with server.start(progress=said.append):
+        server.start_lines = said
         view = viz.watch(
             server.kv_events_endpoint,
             server.replay_endpoint,
@@ -389,3 +393,7 @@ def test_a_replayed_reset_does_not_caption_every_frame():
     assert isinstance(COMMITTED.batches[-1][1].events[-1], AllBlocksCleared)
     assert viz.replay_recording(COMMITTED.batches, schema="sglang").status == ""
     assert viz.replay_sglang(COMMITTED).theirs.status == ""
+
+
+def test_sglangs_start_says_each_stage(live):
+    servers.check_start_lines(live[0])

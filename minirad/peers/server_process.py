@@ -7,6 +7,12 @@ process group (vLLM spawns an engine-core process; a router may spawn helpers), 
 SIGTERM to the whole group and SIGKILL after a grace period, and tied to the Python that
 started it (:func:`~minirad.peers.vllm_env.die_with_parent`, a finalizer).
 
+A real engine takes a minute or more to start on a loaded 2-core machine:
+``start(progress=print)`` says each stage as the server's log reaches it (:attr:`stages`:
+importing, loading the weights, allocating the KV cache, listening), with the seconds since
+the start, and that it is still at it after every :data:`HEARTBEAT_S` seconds of silence, so a
+notebook cell never sits mute.
+
 ``cpus`` pins a server's whole process tree to some cores (``taskset -c``), the way replicas
 share a machine in chapter 10: on 2 cores, one worker per core.
 
@@ -32,16 +38,17 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from minirad.errors import InvalidArgumentError, PeerError
 from minirad.peers.vllm_env import die_with_parent
 
-__all__ = ["ServerProcess", "free_port", "usable_cpus"]
+__all__ = ["ServerProcess", "StartProgress", "free_port", "usable_cpus"]
 
 RESTART_TRIES = 3  # restart(): starts refused for a port in use, before the error stands
+HEARTBEAT_S = 20.0  # start(progress=...): a line after this long with no new stage
 
 
 def free_port() -> int:
@@ -105,9 +112,54 @@ def _stop_and_clean(proc: subprocess.Popen, logdir: Path) -> None:
     shutil.rmtree(logdir, ignore_errors=True)
 
 
+class StartProgress:
+    """Says how a server's start goes, from its log: each stage of ``stages`` (``(pattern,
+    doing)``: a regular expression, and what the server does from the log line that matches
+    it on) when a new log line first matches it, and, after :data:`HEARTBEAT_S` seconds with
+    no new stage, that it is still at it.
+
+    Args:
+        say: where the lines go (``print`` in a notebook).
+        name: the server's name, at the start of each line.
+        stages: the patterns, tried on every new line of the log.
+    """
+
+    def __init__(self, say: Callable[[str], None], name: str, stages) -> None:
+        self.say, self.name = say, name
+        self.stages = [(re.compile(p), doing) for p, doing in stages]
+        self.doing = "starting"
+        self.offset = 0  # bytes of the log read so far
+        self.last_said = time.monotonic()
+
+    def line(self, elapsed: float, text: str) -> None:
+        self.say(f"{self.name} {elapsed:4.0f} s  {text}")
+        self.last_said = time.monotonic()
+
+    def poll(self, log_path: Path, elapsed: float) -> None:
+        """Read the lines the log gained since the last call and say what they reached."""
+        try:
+            with open(log_path, "rb") as log:
+                log.seek(self.offset)
+                new = log.read()
+        except OSError:
+            return
+        complete = new[: new.rfind(b"\n") + 1]  # a line still being written waits
+        self.offset += len(complete)
+        for text in complete.decode(errors="replace").splitlines():
+            for i, (pattern, doing) in enumerate(self.stages):
+                if pattern.search(text):
+                    del self.stages[: i + 1]  # stages come in order: none goes back
+                    self.doing = doing
+                    self.line(elapsed, doing)
+                    break
+        if time.monotonic() - self.last_said >= HEARTBEAT_S:
+            self.line(elapsed, f"... still {self.doing}")
+
+
 class ServerProcess:
     """One HTTP server on 127.0.0.1, run as a subprocess. Subclasses give :meth:`command`
-    (and may extend :meth:`env`); :attr:`name` names it in messages.
+    (and may extend :meth:`env`); :attr:`name` names it in messages; :attr:`stages` are the
+    log lines that mark its start's stages (:class:`StartProgress`).
 
     Args:
         port: the HTTP port (default: a free one, picked once, so :meth:`restart` comes back
@@ -128,6 +180,7 @@ class ServerProcess:
     """
 
     name = "server"
+    stages: tuple[tuple[str, str], ...] = ()
     start_timeout_s = 300.0  # the default of start(), and what a ``with`` block waits
 
     def __init__(self, port: int | None = None, cpus: Sequence[int] | None = None) -> None:
@@ -166,11 +219,15 @@ class ServerProcess:
         """The server process is alive (it may still be loading)."""
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout_s: float | None = None) -> ServerProcess:
+    def start(
+        self, timeout_s: float | None = None, progress: Callable[[str], None] | None = None
+    ) -> ServerProcess:
         """Start the server and wait until it is ready (:meth:`healthy`). Returns the server.
 
         Args:
             timeout_s: how long to wait (default :attr:`start_timeout_s`).
+            progress: called with a line per stage of the start (:class:`StartProgress`),
+                and when it is ready; None: silent.
 
         Raises:
             PeerError: it is already running, its port is taken, it exited, or it was not
@@ -203,7 +260,12 @@ class ServerProcess:
             )
         # A server left running (no stop(), a notebook closed) still goes when Python exits.
         self._finalizer = weakref.finalize(self, _stop_and_clean, self._proc, self._logdir)
+        said = StartProgress(progress, self.name, self.stages) if progress else None
+        if said:
+            said.line(0, f"starting at {self.base_url}; its log: {self.log_path}")
         while True:
+            if said:
+                said.poll(self.log_path, time.monotonic() - t0)
             if self._proc.poll() is not None:
                 code = self._proc.returncode
                 self.stop(keep_log=True)  # its children, if any
@@ -212,6 +274,8 @@ class ServerProcess:
                 )
             if self.healthy():
                 self.startup_s = time.monotonic() - t0
+                if said:
+                    said.line(self.startup_s, "ready: /health answers")
                 return self
             if time.monotonic() - t0 > timeout_s:
                 why = self.not_ready()

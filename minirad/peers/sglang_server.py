@@ -9,7 +9,7 @@ it sleep instead (4.0 -> 0.05 CPU-s per idle 4 s). A ``with`` block starts it an
 
 Example::
 
-    with SGLangServer(text_model_dir()) as server:  # starts SGLang: about 30 s
+    with SGLangServer(text_model_dir()) as server:  # starts SGLang: 1 to 4 minutes on 2 cores
         out = server.generate([1, 17, 42, 99], max_new_tokens=8)
         out["output_ids"], out["cached_tokens"]  # [...], 0
         server.flush_cache()
@@ -81,6 +81,15 @@ class SGLangServer(ServerProcess):
     """
 
     name = "SGLang"
+    # Its log's milestones (0.5.23), for start(progress=...). Importing SGLang in the
+    # scheduler process takes most of the start: 50 s of 75 here, on a loaded 2-core machine.
+    stages = (
+        (r"server_args=", "importing SGLang in its scheduler process (the longest stage)"),
+        (r"Init parallel begin", "setting up the scheduler"),
+        (r"Load weight begin", "loading the weights"),
+        (r"KV Cache is allocated", "allocating the KV cache and building the radix tree"),
+        (r"Uvicorn running on", "listening; a first request goes through the model"),
+    )
 
     def __init__(
         self,

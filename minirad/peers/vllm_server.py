@@ -7,7 +7,7 @@ ports, with the settings vLLM's CPU backend needs here (32-token blocks, float32
 
 Example::
 
-    with VLLMServer() as server:  # starts vLLM: tens of seconds
+    with VLLMServer() as server:  # starts vLLM: 1 to 2 minutes on 2 cores
         sub = KVEventSubscriber(server.kv_events_endpoint, server.replay_endpoint)
         answer = server.chat("Describe the image.", image="data/images/red_circle.png")
         answer["token_ids"], answer["cached_tokens"]  # [68, 334, ...], 0
@@ -87,6 +87,16 @@ class VLLMServer(ServerProcess):
     """
 
     name = "vLLM"
+    # Its log's milestones (0.32.0), for start(progress=...): three processes (the API
+    # server, the engine core, the worker) each import vLLM before they do anything.
+    stages = (
+        (r"non-default args", "reading the model's config"),
+        (r"Resolved architecture", "starting the engine-core process (importing vLLM again)"),
+        (r"Initializing a V1 LLM engine", "starting the worker process"),
+        (r"Starting to load model", "loading the model"),
+        (r"KV cache size", "allocating the KV cache and warming up"),
+        (r"Starting vLLM server on", "listening"),
+    )
 
     def __init__(
         self,
