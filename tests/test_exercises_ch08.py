@@ -324,3 +324,10 @@ def test_q5_oracle_sees_the_stop_tokens_sglang_cached():
     assert [o.stopped for o in sglang] == [False, True, False, False, True, True]
     for o, held in zip(sglang, oracle_q5(), strict=True):
         assert held == len(o.prompt_token_ids) + len(o.output_ids) - (not o.stopped)
+
+
+def test_the_cause_exercises_ask_about_their_traces_last_request():
+    """Replayed one request at a time, what comes after the asked request cannot change its
+    cause: a trace that goes on only gives the learner more to read (q6 once had a p2)."""
+    for trace, request in ((ch08.Q6_TRACE, ch08.Q6_REQUEST), (ch08.Q7_TRACE, ch08.Q7_REQUEST)):
+        assert request == len(trace) - 1

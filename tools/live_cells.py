@@ -21,6 +21,7 @@ cell edited (the server config keeps an unedited chapter as committed), and run 
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import sys
@@ -49,39 +50,48 @@ def mark_live_cell(cell: dict) -> None:
     if SKIP_TAG not in tags:
         tags.append(SKIP_TAG)
     cell.execution_count = None  # not run in this file's run: "[ ]"
-    outputs = []
-    for out in cell.outputs:
-        data = out.get("data", {})
-        if WIDGET_VIEW in data:
-            del data[WIDGET_VIEW]
-            if not data:  # nothing to draw without the widget
-                continue
-        outputs.append(out)
+    # A widget output keeps its picture; one with nothing else to draw goes.
+    outputs = [o for o in cell.outputs if WIDGET_VIEW not in o.get("data", {}) or picture(o)]
     first = outputs[0] if outputs else None
     if not (first and first.output_type == "stream" and first.text.startswith(RECORDED)):
         outputs.insert(0, nbformat.v4.new_output("stream", name="stdout", text=RECORDED))
     cell.outputs = outputs
 
 
+def picture(out: dict) -> bool:
+    """Turn a widget output into the static picture and text of the same bundle, in place
+    (its player removed). Returns whether anything is left to draw."""
+    data = out.get("data", {})
+    data.pop(WIDGET_VIEW, None)
+    return bool(data)
+
+
 def used_models(nb: dict) -> set[str]:
     """The widget models the outputs display, and every model those refer to."""
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
-    todo = [
+    views = [
         out["data"][WIDGET_VIEW]["model_id"]
         for cell in nb.cells
         for out in cell.get("outputs", [])
         if WIDGET_VIEW in out.get("data", {})
     ]
-    used: set[str] = set()
-    while todo:
-        model = todo.pop()
-        if model not in used:
-            used.add(model)
-            todo += refers_to(state.get(model, {}))
+    used = reachable(state, views)
     # A link (jslink) refers to the models it joins, and nothing refers to it: kept when both
     # are.
     links = [k for k, m in state.items() if m.get("model_name") in LINKS]
     return used | {k for k in links if set(refers_to(state[k])) <= used}
+
+
+def reachable(state: dict, models: list[str]) -> set[str]:
+    """``models`` and every model they refer to, directly or not, in the widget state
+    ``state`` (model id -> model); ids that ``state`` lacks are included."""
+    todo, found = list(models), set()
+    while todo:
+        model = todo.pop()
+        if model not in found:
+            found.add(model)
+            todo += refers_to(state.get(model, {}))
+    return found
 
 
 def refers_to(model: dict) -> list[str]:
@@ -101,6 +111,124 @@ def mark_live_cells(nb: nbformat.NotebookNode) -> bool:
         used = used_models(nb)
         widgets["state"] = {k: v for k, v in widgets["state"].items() if k in used}
     return json.dumps(nb, sort_keys=True) != before
+
+
+def _bound(tree: ast.AST) -> set[str]:
+    """The names a cell binds at its top level: assignments, imports, ``def``, ``class``,
+    loop and ``with`` targets, walrus (a comprehension's own variables stay inside it)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+    return names
+
+
+class _Reads(ast.NodeVisitor):
+    """The names a cell reads before it binds them, in the order Python runs its lines.
+    Inside a ``def``, ``lambda`` or comprehension, the scope's own names (parameters, loop
+    targets, assignments) are not reads."""
+
+    def __init__(self) -> None:
+        self.free: set[str] = set()
+        self.bound: set[str] = set()
+        self.scopes: list[set[str]] = []
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if any(node.id in scope for scope in self.scopes):
+            return
+        if isinstance(node.ctx, ast.Load):
+            if node.id not in self.bound:
+                self.free.add(node.id)
+        elif not self.scopes:
+            self.bound.add(node.id)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        if isinstance(node.target, ast.Name):  # x += 1 reads x
+            self.visit_Name(ast.Name(node.target.id, ast.Load()))
+        self.generic_visit(node)
+
+    def visit_Assign(self, node: ast.Assign) -> None:  # the value runs before the targets
+        self.visit(node.value)
+        for target in node.targets:
+            self.visit(target)
+
+    def visit_alias(self, node: ast.alias) -> None:
+        if not self.scopes:
+            self.bound.add((node.asname or node.name).split(".")[0])
+
+    def _scope(self, node: ast.AST, own: set[str], body: list[ast.AST]) -> None:
+        self.scopes.append(own | _bound(node))
+        for child in body:
+            self.visit(child)
+        self.scopes.pop()
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        for default in [*node.args.defaults, *node.args.kw_defaults, *node.decorator_list]:
+            if default is not None:
+                self.visit(default)
+        params = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        self._scope(node, params, node.body)
+        if not self.scopes:
+            self.bound.add(node.name)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        params = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        self._scope(node, params, [node.body])
+
+    def visit_comprehension_scope(self, node: ast.AST) -> None:
+        self.visit(node.generators[0].iter)  # the first iterable runs outside the scope
+        targets = {
+            n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)
+        }
+        parts = [g for g in node.generators] + [
+            getattr(node, "elt", None),
+            getattr(node, "key", None),
+            getattr(node, "value", None),
+        ]
+        self._scope(node, targets, [p for p in parts if p is not None])
+
+    visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = visit_comprehension_scope
+
+
+def _free(tree: ast.AST) -> set[str]:
+    """The names a cell reads that it has not bound itself by then: it takes them from the
+    cells run before it."""
+    reads = _Reads()
+    reads.visit(tree)
+    return reads.free
+
+
+def _source(cell: dict) -> str:
+    """A code cell's source as Python: IPython's ``%magic`` and ``!shell`` lines dropped."""
+    lines = cell["source"].splitlines()
+    return "\n".join("" if re.match(r"\s*[%!]", line) else line for line in lines)
+
+
+def later_rebinds(nb: dict) -> list[tuple[int, str, int]]:
+    """``(live cell, name, later cell)`` for every name a live cell reads from earlier cells
+    that a cell after it binds again (indices into ``nb.cells``).
+
+    A learner runs a live cell after Run All, when its server exists (``make vllm``...): the
+    names it reads then hold what the *last* cell to bind them left, not what they held at
+    the live cell's place. Chapter 08's live SGLang cell read ``follow_up``, which section 10
+    binds again to a toy prompt: after Run All it asked SGLang for garbage."""
+    cells = [(i, c) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"]
+    trees = {i: ast.parse(_source(c)) for i, c in cells}
+    found = []
+    for i, cell in cells:
+        if not is_live(cell):
+            continue
+        free = _free(trees[i])
+        for j, _ in cells:
+            if j > i:
+                found += [(i, name, j) for name in sorted(free & _bound(trees[j]))]
+    return found
 
 
 def main(paths: list[str]) -> int:
