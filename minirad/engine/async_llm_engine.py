@@ -84,6 +84,11 @@ class _Channel:
             pass
 
 
+def _settle(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 class RequestStream:
     """The outputs of one API request's engine requests (one per choice: ``n``), as an async
     iterator of ``(index, output)`` in the order the engine produced them; it ends when each
@@ -147,6 +152,8 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="minirad-engine", daemon=True)
         self.inputs: Executor = ThreadPoolExecutor(self.input_workers, "minirad-inputs")
         self._channels: dict[str, _Channel] = {}  # the engine thread's only
+        self._processing: set[asyncio.Future] = set()  # run_off_thread's, for fail_in_flight
+        self._closing: str | None = None  # fail_in_flight's message
         self._prompt_tokens = self._generation_tokens = 0
         self._finished: Counter[str] = Counter()
         self.error: BaseException | None = None
@@ -171,15 +178,28 @@ class AsyncLLMEngine:
         Raises:
             RequestError: it took longer (``what`` names it in the message; the thread
                 finishes it and the result is dropped).
+            EngineDeadError: :meth:`fail_in_flight` was called meanwhile (the same).
             Exception: what ``fn`` raised.
         """
-        future = asyncio.get_running_loop().run_in_executor(self.inputs, fn, *args)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.inputs, fn, *args)
+        failed = loop.create_future()  # fail_in_flight sets it to its message
+        self._processing.add(failed)
         try:
-            return await asyncio.wait_for(future, self.input_timeout_s)
-        except TimeoutError:
-            raise RequestError(
-                f"{what} took longer than {self.input_timeout_s:g} s; send less"
-            ) from None
+            done, _ = await asyncio.wait(
+                (future, failed), timeout=self.input_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:  # the client left
+            future.cancel()
+            raise
+        finally:
+            self._processing.discard(failed)
+        if future in done:
+            return future.result()
+        future.cancel()  # still queued: it never runs; running: it finishes, the result dropped
+        if failed in done:
+            raise EngineDeadError(failed.result())
+        raise RequestError(f"{what} took longer than {self.input_timeout_s:g} s; send less")
 
     async def add_request(self, requests: Sequence[GenerateRequest]) -> RequestStream:
         """Process ``requests`` (their ``rid`` set: one API request's choices) off the engine
@@ -217,9 +237,13 @@ class AsyncLLMEngine:
 
     def fail_in_flight(self, message: str) -> None:
         """End every request in flight now with an :class:`EngineDeadError` of ``message``
-        (thread-safe): their clients get a 503 (a stream, an error event) instead of waiting.
-        A server shutting down calls it when its grace period is over."""
+        (thread-safe): their clients get a 503 (a stream, an error event) instead of waiting,
+        those whose inputs are still being processed too, and so does every request after
+        it. A server shutting down calls it when its grace period is over."""
+        self._closing = message
         self._inbox.put(("fail", message))
+        for failed in list(self._processing):
+            failed.get_loop().call_soon_threadsafe(_settle, failed, message)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)`` run on the engine thread between two steps (only that thread
@@ -319,6 +343,9 @@ class AsyncLLMEngine:
         kind, *args = command
         if kind == "add":
             requests, channel = args
+            if self._closing is not None:  # after fail_in_flight: none is queued
+                replies.append((channel, EngineDeadError(self._closing)))
+                return
             added = []
             try:
                 for request in requests:

@@ -9,22 +9,30 @@ Every image minirad takes goes through here before the model's processor sees it
   limit of pixels, at most :data:`MAX_ASPECT_RATIO` between the long and the short side
   (a 100000x1 picture resized to the model's short side is 4.8 M pixels wide), and at most
   :data:`MAX_IMAGE_BYTES` of file or data URL.
-- **A file in the media folder is opened once, then checked**: only a regular file (a FIFO
-  would block the reader forever), and only if the file that was opened is the one its name
-  resolves to inside the folder now (a symlink swapped between a check and an open would
-  otherwise be followed out of the folder). Every way a name can fail (missing, a folder, a
-  FIFO, a link out of the folder, unreadable, not a picture) gives the same message, so a
-  client learns nothing about what lies in the folder.
+- **A file in the media folder is found without opening anything outside it**: its name is
+  walked one name at a time beneath the folder, as Linux's ``openat2`` walks it with
+  ``RESOLVE_BENEATH`` (:meth:`MediaFolder.open_beneath`). Each folder on the way is opened
+  relative to the one above it, never through a link; a link is read, not followed: its
+  target is walked in its place, where ``..`` never goes above the folder and an absolute
+  target must lie in it. Opening is an effect in itself (a device acts when opened, an audit
+  log records it): a link to ``/dev/zero`` or ``/etc/passwd`` used to be opened, then refused.
+  The last name is looked at before it is opened, and only a regular file is opened (a FIFO
+  would block the reader forever), then only if it is still the file that was looked at (a
+  link swapped in between is refused). Every way a name can fail (missing, a folder, a FIFO,
+  a link out of the folder, unreadable, not a picture) gives the same message, so a client
+  learns nothing about what lies in the folder.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import io
 import os
 import stat
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,6 +44,7 @@ __all__ = [
     "ALLOWED_IMAGE_FORMATS",
     "MAX_ASPECT_RATIO",
     "MAX_IMAGE_BYTES",
+    "MAX_LINKS",
     "MediaFolder",
     "check_image_size",
     "decode_data_url",
@@ -48,6 +57,11 @@ ALLOWED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_ASPECT_RATIO = 200
 MAX_IMAGE_BYTES = 32 * 2**20  # an image file or a data URL's decoded bytes
 _FORMATS = "PNG, JPEG, WebP, GIF or BMP"
+MAX_LINKS = 40  # links one name may go through (Linux's MAXSYMLINKS)
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO swapped in after the look opens at once (then is refused) rather than
+# waiting for a writer; O_NOFOLLOW: a link swapped in is not followed.
+_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
 
 
 def _unreadable(shown: str) -> ImageError:
@@ -165,8 +179,8 @@ class MediaFolder:
         return repr(name if len(name) <= 100 else name[:100] + "...")
 
     def read(self, name: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
-        """The bytes of the regular file ``name`` inside the folder, opened once and read
-        from that handle (module docstring).
+        """The bytes of the regular file ``name`` inside the folder, read from the handle
+        :meth:`open_beneath` gave (module docstring).
 
         Raises:
             ImageError: ``name`` lies outside the folder (said as such, from the name alone);
@@ -177,37 +191,84 @@ class MediaFolder:
         unreadable = _unreadable(shown)  # the message open_image gives a file of other bytes
         if "\x00" in name:
             raise unreadable
-        full = os.path.abspath(name)  # lexical: no file-system access yet
-        if not Path(full).is_relative_to(self.path):
+        full = Path(os.path.abspath(name))  # lexical: no file-system access yet
+        if not full.is_relative_to(self.path):
             raise ImageError(f"image {shown} is outside the media folder this server reads")
         try:
-            # O_NONBLOCK: opening a FIFO returns at once (and is refused below) instead of
-            # waiting for a writer.
-            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-        except (OSError, ValueError) as e:  # missing, too long, a loop, no permission...
+            fd = self.open_beneath(full.relative_to(self.path).parts)
+        except (OSError, ValueError) as e:  # missing, a link out, a loop, a FIFO, too long...
             raise unreadable from e
-        try:
-            opened = os.fstat(fd)
-            if not stat.S_ISREG(opened.st_mode):
-                raise unreadable
-            try:
-                real = os.path.realpath(full, strict=True)
-                named = os.stat(real)
-            except (OSError, ValueError) as e:
-                raise unreadable from e
-            same = (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
-            if not same or not Path(real).is_relative_to(self.real):
-                raise unreadable  # a link out of the folder, or swapped since the open
-            if opened.st_size > max_bytes:
+        with open(fd, "rb") as f:
+            if os.fstat(fd).st_size > max_bytes:
                 raise ImageError(f"image {shown} is over {max_bytes // 2**20} MiB")
             os.set_blocking(fd, True)
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read(max_bytes + 1)
-        finally:
-            os.close(fd)
+            data = f.read(max_bytes + 1)
         if len(data) > max_bytes:  # it grew since the fstat
             raise ImageError(f"image {shown} is over {max_bytes // 2**20} MiB")
         return data
+
+    def open_beneath(self, names: Sequence[str]) -> int:
+        """A file descriptor of the regular file at ``names`` (a path under the folder, cut at
+        its slashes), found beneath the folder without opening anything outside it: each name
+        is looked at (``lstat``) before anything is opened; a folder is opened relative to the
+        one above it, never through a link; a link is read and its target walked instead.
+
+        Raises:
+            OSError: anything else: missing, not a regular file, a link out of the folder
+                (``..`` above it, an absolute target outside it), over :data:`MAX_LINKS`
+                links, or a name swapped between its look and its open.
+        """
+        dirs = [os.open(self.real, _DIR)]  # the folders walked down, the folder's own first
+        todo = list(reversed(names))  # the names still to walk, the next one last
+        links = 0
+        try:
+            while todo:
+                name = todo.pop()
+                if name in ("", "."):
+                    continue
+                if name == "..":
+                    if len(dirs) == 1:
+                        raise OSError(errno.EXDEV, "above the media folder")
+                    os.close(dirs.pop())
+                    continue
+                seen = os.stat(name, dir_fd=dirs[-1], follow_symlinks=False)
+                if stat.S_ISLNK(seen.st_mode):
+                    links += 1
+                    if links > MAX_LINKS:
+                        raise OSError(errno.ELOOP, "too many links")
+                    target = os.readlink(name, dir_fd=dirs[-1])
+                    if os.path.isabs(target):  # walked from the folder's top, if it is in it
+                        target = self._inside(target)
+                        while len(dirs) > 1:
+                            os.close(dirs.pop())
+                    todo.extend(reversed(target.split("/")))
+                elif todo:  # a folder on the way (O_NOFOLLOW: not a link swapped in since)
+                    dirs.append(os.open(name, _DIR | os.O_NOFOLLOW, dir_fd=dirs[-1]))
+                elif stat.S_ISREG(seen.st_mode):  # the file: is it the one looked at?
+                    fd = os.open(name, _FILE, dir_fd=dirs[-1])
+                    opened = os.fstat(fd)
+                    if (opened.st_dev, opened.st_ino) == (seen.st_dev, seen.st_ino):
+                        return fd
+                    os.close(fd)
+                    raise OSError(errno.ESTALE, "swapped since it was looked at")
+                else:  # a folder, a FIFO, a device, a socket: never opened
+                    raise OSError(errno.EINVAL, "not a regular file")
+            raise OSError(errno.EISDIR, "a folder")
+        finally:
+            for d in dirs:
+                os.close(d)
+
+    def _inside(self, target: str) -> str:
+        """An absolute link target, relative to the folder (its real path or the one it was
+        given as), read as written.
+
+        Raises:
+            OSError: it does not lie in the folder.
+        """
+        for top in (self.real, self.path):
+            if Path(target).is_relative_to(top):
+                return str(Path(target).relative_to(top))
+        raise OSError(errno.EXDEV, "a link out of the media folder")
 
     def __repr__(self) -> str:
         return f"MediaFolder({str(self.path)!r})"
