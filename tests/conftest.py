@@ -61,6 +61,8 @@ SLOW_FIRST = (
     "vllm_server",
     "tests/test_browser_vllm.py",
     "tests/test_browser_committed.py",
+    "tests/test_browser_save.py",
+    "tests/test_browser_live.py",
     "tests/test_browser.py",
     "tests/test_sglang_cache.py",
     "tests/test_bench_structured.py",

@@ -176,19 +176,27 @@ def test_committed_pictures_and_players_draw_before_running(trusted_lab, page, n
     assert sum(c["images"] + c["widgets"] for c in expected), f"{notebook} has no pictures"
     check_drawn(open_unrun(page, trusted_lab, notebook, ROOT), expected, notebook)
     if any(c["widgets"] for c in expected):
-        # A player restored from the file steps through its saved frames.
-        view = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .radix-view").first
-        before = view.locator(".rv-counter").text_content()
-        shown, total = before.split(" / ")
-        # A player saved at its last frame steps back; any other steps forward.
-        view.locator(".rv-back" if shown == total else ".rv-fwd").click()
-        page.wait_for_function(
-            "([el, text]) => el.textContent !== text",
-            arg=[view.locator(".rv-counter").element_handle(), before],
-            timeout=10_000,
-        )
-    widget_errors = [e for e in console.errors if "widget" in e.lower() or "model" in e.lower()]
-    assert not widget_errors, widget_errors
+        steps_a_player(page)
+    assert not widget_errors(console)
+
+
+def steps_a_player(page) -> None:
+    """A player of the open notebook steps through its saved frames (no kernel behind it)."""
+    view = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .radix-view").first
+    before = view.locator(".rv-counter").text_content()
+    shown, total = before.split(" / ")
+    # A player saved at its last frame steps back; any other steps forward.
+    view.locator(".rv-back" if shown == total else ".rv-fwd").click()
+    page.wait_for_function(
+        "([el, text]) => el.textContent !== text",
+        arg=[view.locator(".rv-counter").element_handle(), before],
+        timeout=10_000,
+    )
+
+
+def widget_errors(console: Console) -> list[str]:
+    """The page's errors about widgets or their models ("widget model not found"...)."""
+    return [e for e in console.errors if "widget" in e.lower() or "model" in e.lower()]
 
 
 def test_untrusted_chapter_shows_no_pictures(page, tmp_path):
@@ -282,5 +290,4 @@ def test_chapter_10s_request_slider_moves_the_trees_before_running(trusted_lab, 
             timeout=10_000,
         )
         assert out.evaluate(_ROUTE_VIEW)["current"] == request
-    widget_errors = [e for e in console.errors if "widget" in e.lower() or "model" in e.lower()]
-    assert not widget_errors, widget_errors
+    assert not widget_errors(console)
