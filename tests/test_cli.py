@@ -697,6 +697,24 @@ def test_batch_help_describes_the_jsonl_fields_and_every_flag():
     assert all(a.help for a in batch._actions), [a.dest for a in batch._actions if not a.help]
 
 
+def test_explain_help_states_every_default_and_how_requests_are_numbered():
+    """Issue 43: ``minirad explain --help`` gave no default for --model (nor for the trace or
+    --from-recording), and did not say the report numbers requests r1, r2, ... while --json
+    counts "request" from 0."""
+    from minirad.models import DEFAULT_MODEL_DIR
+
+    explain = build_parser()._subparsers._group_actions[0].choices["explain"]
+    text = " ".join(explain.format_help().split())
+    for action in explain._actions:
+        if action.dest == "help":
+            continue
+        help_text = " ".join(explain._get_formatter()._expand_help(action).split())
+        assert "default" in help_text, (action.dest, help_text)
+    model = next(a for a in explain._actions if a.dest == "model")
+    assert f"default: the shipped {DEFAULT_MODEL_DIR.name}" in model.help
+    assert "r1, r2, ..." in text and '"request" counts from 0' in text and '"label"' in text
+
+
 def test_serve_help_says_what_a_wildcard_host_exposes_and_a_bare_port_is_loopback():
     """``--help`` suggested ``tcp://*:5557``, which publishes every prompt's token ids on
     every interface. It now says what ``*`` exposes, and a bare port binds loopback."""

@@ -26,6 +26,9 @@ from minirad.kv_events.explain_trace import explain_trace
 
 VLLM = recordings.RECORDINGS_DIR / "vllm_ch08"
 SGLANG = recordings.RECORDINGS_DIR / "sglang_ch08"
+# The session's two pictures, by their vLLM mm_hash (chapter 08 prints their first 16 digits).
+IMAGE_A = "e96150181102290d9a525fac33d26f709cb150d2598a7f23f1ff45abc376818b"
+IMAGE_B = "398e8ba9e76bda6e8f6b016ddd14a00cf800cf099e8f06b36647aa77d1b7f4f9"
 
 
 def spans(e) -> list[tuple[int, int, str]]:
@@ -64,7 +67,15 @@ def test_the_recorded_vllm_session_is_explained_without_unknowns(path):
         [(0, 96, "hit"), (96, 98, "block_floor")],
         [(0, 1, "block_floor"), (1, 79, "first_seen")],
     ]
-    assert explained[2].runs[1].detail == {"at": 24, "token": 3, "seen_next": [3], "image": True}
+    # r3 forks from r1 at picture B: the same placeholder id, another image (its mm_hash).
+    assert explained[2].runs[1].detail == {
+        "at": 24,
+        "token": 3,
+        "seen_next": [3],
+        "image": True,
+        "image_hash": IMAGE_B,
+        "seen_next_images": [IMAGE_A],
+    }
     assert recording_totals(path) == {
         "hit": 224,
         "last_token": 0,
@@ -182,7 +193,18 @@ def test_every_cause_on_a_scripted_event_stream():
     assert explained[5].runs[0].detail == {"why": "cached by the events, not counted by the server"}
     assert explained[6].runs[0].detail == {"events_support": 0}
     assert explained[7].runs[0].detail == {"seq": 5, "ts": 200.5, "cleared": True}
-    assert explained[9].runs[1].detail == {"at": 1, "token": 9, "seen_next": [9], "image": True}
+    # picture Y where request 8 had X: the same placeholder id (9), the images by mm_hash;
+    # request 11 stored nothing, so the events do not name its picture (neither X nor Y)
+    assert explained[9].runs[1].detail == {
+        "at": 1,
+        "token": 9,
+        "seen_next": [9],
+        "image": True,
+        "image_hash": "Y",
+        "seen_next_images": ["X"],
+    }
+    assert "image_hash" not in explained[11].runs[1].detail
+    assert explained[11].runs[1].detail["seen_next_images"] == ["X", "Y"]
     assert explained[13].runs[2].detail == {"one_of": ["block_floor", "first_seen"]}
     assert totals(explained) == {
         "hit": 32,
@@ -223,13 +245,27 @@ def test_bad_requests_are_refused():
 
 
 def test_minirad_explain_from_a_recording(capsys):
+    """Issue 43: requests are r1..r6 as chapter 08 names them (JSON keeps "request" from 0
+    and adds the "label"), and r3's fork at its picture names the two pictures by hash, not
+    by their placeholder id (3 on both sides, which read as the same token)."""
     assert main(["explain", "--from-recording", str(VLLM)]) == 0
     out = capsys.readouterr().out
     assert "6 requests, 573 prompt tokens" in out
-    assert "unknown" in out and "request 2: 98 missed: tokens 0-23 block_floor" in out
+    assert "unknown" in out
+    assert (
+        "  r3: 98 missed: tokens 0-23 block_floor, tokens 24-97 first_seen "
+        f"(image {IMAGE_B[:12]} where earlier prompts had image {IMAGE_A[:12]})\n"
+    ) in out
+    assert (
+        "  r6: 79 missed: tokens 0-0 block_floor, tokens 1-78 first_seen "
+        "(token id 432 where earlier prompts had token id 614)\n"
+    ) in out
+    assert "request 0" not in out and "r0" not in out
     assert main(["explain", "--from-recording", str(VLLM), "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["request"] for x in lines] == list(range(6))
+    assert [x["label"] for x in lines] == [f"r{i}" for i in range(1, 7)]
+    assert list(lines[0]) == ["request", "label", "num_tokens", "runs"]
     assert main(["explain"]) == 2
     assert "one of them" in capsys.readouterr().err
 

@@ -113,14 +113,58 @@ def test_minirad_explain_prints_totals_and_json_lines(tmp_path, capsys):
     out = capsys.readouterr().out
     for cause in CAUSES:
         assert cause in out
-    assert "request 4: 20 missed: tokens 0-19 evicted (by request 3" in out
+    # Requests are r1..r6 (issue 43), the evicting request too; a fork names both tokens.
+    assert "  r5: 20 missed: tokens 0-19 evicted (by r4 at tick " in out
+    assert (
+        "  r3: 6 missed: tokens 12-17 first_seen "
+        "(token id 200 where earlier prompts had token id 112)"
+    ) in out
+    assert "request 4" not in out and "r0" not in out
     assert "Belady's MIN (the best any eviction could do), same order and capacity" in out
     served = re.search(r"of the 48 evicted tokens, MIN would have served (\d+)", out)
     assert served and int(served[1]) <= 48  # 20 of request 4 and 28 of request 5
     assert main([*args, "--cache", "block", "--block-size", "4", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [x["request"] for x in lines] == list(range(len(TRACE)))
+    assert [x["request"] for x in lines] == list(range(len(TRACE)))  # from 0, as before
+    assert [x["label"] for x in lines] == [f"r{i + 1}" for i in range(len(TRACE))]
     assert lines[5]["runs"][-1] == {"start": 28, "end": 30, "cause": "block_floor", "detail": {}}
+
+
+def test_a_fork_at_an_image_names_both_images():
+    """Issue 43: "(token 3, an image where earlier prompts had [3])" read as one token; an
+    image is named by its hash's first digits on both sides (a replay with a vocabulary names
+    images so in the detail; a real server's events give its mm_hash)."""
+    from minirad.entrypoints.explain import format_report
+    from minirad.kv_events.explain_trace import ExplainedRequest
+    from minirad.kv_events.miss_causes import Run
+
+    replay = {"at": 5, "token": "image 0123456789ab", "seen_next": ["image ba9876543210", 7]}
+    events = {
+        "at": 5,
+        "token": 3,
+        "image": True,
+        "seen_next": [3],
+        "image_hash": "0123456789abcdef" * 4,
+        "seen_next_images": ["ba9876543210fedc" * 4, "ffffffffffff0000" * 4],
+    }
+    unnamed = {"at": 5, "token": 3, "image": True, "seen_next": [3]}
+    explained = [
+        ExplainedRequest(i, 9, [Run(0, 5, "hit"), Run(5, 9, "first_seen", d)])
+        for i, d in enumerate([replay, events, unnamed])
+    ]
+    report = format_report(explained, totals(explained))
+    assert (
+        "  r1: 4 missed: tokens 5-8 first_seen "
+        "(image 0123456789ab where earlier prompts had image ba9876543210 or token id 7)"
+    ) in report
+    assert (
+        "  r2: 4 missed: tokens 5-8 first_seen (image 0123456789ab where earlier prompts had "
+        "image ba9876543210 or image ffffffffffff)"
+    ) in report
+    assert (
+        "  r3: 4 missed: tokens 5-8 first_seen (token id 3, an image the events do not name, "
+        "where earlier prompts had token id 3)"
+    ) in report
 
 
 def test_chat_lines_use_the_models_template_and_images(tmp_path, capsys):

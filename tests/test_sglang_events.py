@@ -269,6 +269,8 @@ def test_sglang_beside_ours_from_the_recording():
     bundle, _ = pair._repr_mimebundle_()
     assert "SGLang 0.5.23" in bundle["image/svg+xml"] and "minirad" in bundle["image/svg+xml"]
     assert repr(pair).startswith("SGLangBesideOurs: 2 players")
+    # Each player is half a row wide: "fit" draws its whole tree (issue 43; tests/test_viz_beside)
+    assert [v.fit_min_text_px for v in pair.views] == [0, 0]
 
 
 # ------------------------------------------------------------------------- the real server

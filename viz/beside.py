@@ -4,6 +4,10 @@
 heading, with a request slider under them: request ``k`` shows every player at its frame
 after request ``k`` (0: before the first). The slider is linked to each player's ``mark`` in
 the browser (``ipywidgets.jslink``), so a saved notebook's slider works before its kernel runs.
+A player is half a row wide (at least 460 px): its "fit" box draws the whole tree in that width
+(``RadixView.fit_min_text_px`` 0: the node text as small as that takes, each node's full text
+in the details on hover; unticked, full size and a sideways scroll). Under the players, a table
+of each engine's cached prompt tokens per request.
 
 :class:`SGLangBesideOurs` is the chapter's pair: the real SGLang's radix tree, drawn from its KV
 events (:func:`viz.watch.watch` with ``schema="sglang"``: one node per run of pages, as its tree
@@ -74,6 +78,9 @@ class BesideView(ipywidgets.VBox):
         self.requests: list[tuple[str, tuple[int | None, ...]]] = []
         for view in views:
             view.marks = [0]  # request 0: before the first one
+            # A column is ~460 px: "fit" draws each whole tree in it, however small its text
+            # (a node's full text shows on hover; unticking fit draws it full size).
+            view.fit_min_text_px = 0
         self.request = ipywidgets.IntSlider(
             0, min=0, max=0, description="request", layout=ipywidgets.Layout(width="460px")
         )
@@ -123,12 +130,21 @@ class BesideView(ipywidgets.VBox):
                 view.step = view.marks[k]
 
     def _table_html(self) -> str:
-        head = "".join(f"<th>cached: {escape(_short(n))}</th>" for n in self.names)
-        rows = [f"<tr><th>request</th><th>prompt</th>{head}</tr>"]
+        """The requests, one row each: its number, each engine's cached prompt tokens (one
+        column per player, under one "cached tokens" heading), its prompt. Every cell padded
+        and ruled (inline styles: the same in JupyterLab, an export, any notebook viewer)."""
+        n = len(self.names)
+        head = "".join(f"<th {_CELL}>{escape(_short(name))}</th>" for name in self.names)
+        rows = [
+            f'<tr><th {_CELL} rowspan="2">request</th>'
+            f'<th {_CELL} colspan="{n}">cached tokens</th>'
+            f'<th {_CELL} rowspan="2">prompt</th></tr>',
+            f"<tr>{head}</tr>",
+        ]
         for k, (label, cached) in enumerate(self.requests, 1):
-            cells = "".join(f"<td>{'?' if c is None else c}</td>" for c in cached)
-            rows.append(f"<tr><td>{k}</td><td>{escape(label)}</td>{cells}</tr>")
-        return f'<table style="font-size:12px">{"".join(rows)}</table>'
+            cells = "".join(f"<td {_NUMBER}>{'?' if c is None else c}</td>" for c in cached)
+            rows.append(f"<tr><td {_NUMBER}>{k}</td>{cells}<td {_CELL}>{escape(label)}</td></tr>")
+        return f'<table style="border-collapse:collapse;font-size:12px">{"".join(rows)}</table>'
 
     def lines(self) -> list[str]:
         """The request table as text lines (the static picture's footer)."""
@@ -161,6 +177,10 @@ class BesideView(ipywidgets.VBox):
         if all(v.frames for v in self.views):
             data["image/svg+xml"] = self.svg()
         return data, metadata
+
+
+_CELL = 'style="border:1px solid #bbb;padding:2px 8px;text-align:left"'
+_NUMBER = 'style="border:1px solid #bbb;padding:2px 8px;text-align:right"'
 
 
 def _short(name: str) -> str:

@@ -46,6 +46,7 @@ def html_page(
     duration_ms: int = 450,
     max_nodes: int = 300,
     thumbnails: Mapping[str, str] | None = None,
+    fit_min_text_px: float = 11.0,
 ) -> str:
     """The page as a string (see :func:`write_html`); the arguments are the widget's traits
     (:class:`viz.widget.RadixView`)."""
@@ -63,6 +64,7 @@ def html_page(
         "duration_ms": duration_ms,
         "max_nodes": max_nodes,
         "_images": dict(thumbnails or {}),
+        "fit_min_text_px": fit_min_text_px,
     }
     # "<" escaped inside JSON strings: no "</script>" or "<!--" can end the data block early.
     data = json.dumps(state, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")

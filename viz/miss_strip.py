@@ -8,11 +8,20 @@ kept it). Width is proportional to tokens; a run never shrinks below a hairline.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from xml.sax.saxutils import escape, quoteattr
 
-from minirad.events import EventBus, MatchEvent
+from minirad.events import (
+    EventBus,
+    EvictEvent,
+    InsertEvent,
+    MatchEvent,
+    SplitEvent,
+    plural,
+)
+from minirad.kv_events.miss_causes import describe_fork, label
 
 from .frame import Frame
 from .frame_builder import FrameBuilder
@@ -37,23 +46,40 @@ STRIP_H, BAR_H, ROW = 22, 14, 34
 
 
 def _detail(detail: Mapping) -> str:
+    """A run's detail in words, as ``minirad explain`` says it (requests named r1, r2, ...)."""
     parts = []
     if "by_request" in detail:
-        parts.append(f"evicted at tick {detail['time']} for request {detail['by_request']}")
+        parts.append(f"evicted at tick {detail['time']} for {label(detail['by_request'])}")
         parts.append(f"policy {detail['policy']}")
     if "min_kept" in detail:
         n = detail["min_kept"]
         parts.append(f"MIN would have served {n} of them" if n else "MIN would not have kept them")
     if "at" in detail:
-        parts.append(
-            f"left the earlier prompts at token {detail['at']}: {detail['token']} where they "
-            f"had {detail['seen_next']}" + (" (an image)" if detail.get("image") else "")
-        )
+        if detail["seen_next"]:
+            parts.append(
+                f"left the earlier prompts at token {detail['at']}: {describe_fork(detail)}"
+            )
+        elif detail["at"]:
+            parts.append(f"earlier prompts ended before token {detail['at']}")
+        else:
+            parts.append("no earlier prompt")
     parts += [f"{k}: {v}" for k, v in detail.items() if k not in _KNOWN]
     return "; ".join(parts)
 
 
-_KNOWN = {"by_request", "time", "policy", "min_kept", "at", "token", "seen_next", "image"}
+_KNOWN = {
+    "by_request",
+    "time",
+    "policy",
+    "min_kept",
+    "at",
+    "token",
+    "seen_next",
+    "seen_next_more",
+    "image",
+    "image_hash",
+    "seen_next_images",
+}
 
 
 def _rects(spans: Sequence[tuple[int, int, str, str]], total: int, y: int, h: int) -> list[str]:
@@ -195,7 +221,14 @@ def explain_frames(
 ) -> tuple[list, list[Frame]]:
     """``minirad explain``'s radix replay of ``prompts``, with the tree drawn at each request's
     match (its path accessed, what was evicted for the request before it gone): the explained
-    requests and one :class:`~viz.frame.Frame` per request, to show beside its strip."""
+    requests and one :class:`~viz.frame.Frame` per request, to show beside its strip.
+
+    Requests are named r1, r2, ... as ``minirad explain`` names them (``frames[i]`` is request
+    ``i``'s frame, titled ``r{i + 1}``). A frame's caption lists what happened since the
+    request before matched, in order, with node ids: that request's splits, evictions and
+    insert, then this request's split (a match that ends inside a node cuts it) and match,
+    e.g. ``"r5 evicted #2 #3 (8 tokens), inserted #6 (28 tokens); r6 matched nothing: 0 of its
+    16 tokens"``."""
     from minirad.kv_events.explain_trace import explain_trace
 
     bus = EventBus()
@@ -203,13 +236,18 @@ def explain_frames(
         decode, vocab_size=vocab_size, pool_size=capacity, page_size=page_size, every_event=False
     )
     builder.attach(bus)
-    count = [0]
+    since: list = []  # the events since the last match
 
     def at_match(e) -> None:
-        if isinstance(e, MatchEvent):
-            builder.title = f"request {count[0]}"
-            builder.snapshot()
-            count[0] += 1
+        if not isinstance(e, MatchEvent):
+            since.append(e)
+            return
+        k = len(builder.frames)
+        builder.title = f"r{k + 1}"
+        frame = builder.snapshot()
+        caption = _match_caption(since, e, k, len(prompts[k]))
+        builder.frames[-1] = dataclasses.replace(frame, caption=caption)
+        since.clear()
 
     bus.subscribe(at_match)
     explained = explain_trace(
@@ -224,6 +262,40 @@ def explain_frames(
     return explained, builder.frames
 
 
+def _match_caption(events: Sequence, match: MatchEvent, k: int, num_tokens: int) -> str:
+    """The caption of request ``k``'s frame (0-based; named ``r{k + 1}``): ``events`` since the
+    request before matched (its splits, evictions and insert, up to its insert; after it, this
+    request's splits), then ``match``."""
+    last_insert = max((i for i, e in enumerate(events) if isinstance(e, InsertEvent)), default=-1)
+    before, now = _describe(events[: last_insert + 1]), _describe(events[last_insert + 1 :])
+    path = " ".join(f"#{i}" for i in match.path)
+    now.append(f"matched {path}: " if path else "matched nothing: ")
+    now[-1] += f"{match.num_tokens} of its {plural(num_tokens, 'token')}"
+    parts = [f"r{k} {', '.join(before)}"] if before else []
+    return "; ".join([*parts, f"r{k + 1} {', '.join(now)}"])
+
+
+def _describe(events: Sequence) -> list[str]:
+    """Splits, evictions (a run of them as one item) and inserts, in order, with node ids."""
+    out: list[str] = []
+    evicted: list[EvictEvent] = []
+    for e in [*events, None]:
+        if evicted and not isinstance(e, EvictEvent):
+            ids = " ".join(f"#{x.node_id}" for x in evicted)
+            out.append(f"evicted {ids} ({plural(sum(x.num_tokens for x in evicted), 'token')})")
+            evicted = []
+        if isinstance(e, EvictEvent):
+            evicted.append(e)
+        elif isinstance(e, SplitEvent):
+            out.append(f"split #{e.node_id} at token {e.split_len} (the rest is #{e.new_node_id})")
+        elif isinstance(e, InsertEvent) and e.node_id is None:
+            were = "were" if e.prefix_len > 1 else "was"
+            out.append(f"inserted nothing new (all {plural(e.prefix_len, 'token')} {were} cached)")
+        elif isinstance(e, InsertEvent):
+            out.append(f"inserted #{e.node_id} ({plural(len(e.key), 'token')})")
+    return out
+
+
 def explain_browser(explained: Sequence, frames: Sequence[Frame] | None = None, totals=None):
     """Select a request, see why it missed: a dropdown of the requests (most tokens missed
     first) over :func:`explain_view` of the chosen one (its tree at its match, when
@@ -234,7 +306,7 @@ def explain_browser(explained: Sequence, frames: Sequence[Frame] | None = None, 
     order = sorted(explained, key=lambda e: (e.tokens("hit") - e.num_tokens, e.request))
     options = [
         (
-            f"request {e.request}: {e.num_tokens - e.tokens('hit'):,} of {e.num_tokens:,} missed",
+            f"r{e.request + 1}: {e.num_tokens - e.tokens('hit'):,} of {e.num_tokens:,} missed",
             e.request,
         )
         for e in order
@@ -245,7 +317,7 @@ def explain_browser(explained: Sequence, frames: Sequence[Frame] | None = None, 
 
     def show(change=None) -> None:
         e = by_index[pick.value]
-        title = f"request {e.request}"
+        title = f"r{e.request + 1}"
         if frames is not None:
             view.value = explain_view(frames[e.request], e.runs, title, totals)
         else:

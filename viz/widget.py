@@ -67,7 +67,8 @@ class RadixView(anywidget.AnyWidget):
             (see :func:`image_thumbnails`).
         kwargs: trait values: ``step`` (the frame shown), ``interval_ms`` (time per frame at
             1x speed), ``duration_ms`` (length of one animation), ``max_nodes`` (frames
-            with more nodes are drawn collapsed).
+            with more nodes are drawn collapsed), ``fit_min_text_px`` (the smallest node text,
+            in px, that the "fit" checkbox draws: 11; 0 fits the whole tree at any size).
 
     Attributes:
         frames: the :class:`~viz.frame.Frame` objects, in order (grows in live mode).
@@ -82,6 +83,9 @@ class RadixView(anywidget.AnyWidget):
     interval_ms = traitlets.Int(900).tag(sync=True)
     duration_ms = traitlets.Int(450).tag(sync=True)
     max_nodes = traitlets.Int(300).tag(sync=True)
+    # "fit" (the player's checkbox) shrinks the tree to the view's width, but never draws node
+    # text smaller than this (px; a wider tree scrolls); 0: fit always draws the whole tree.
+    fit_min_text_px = traitlets.Float(11.0, min=0.0).tag(sync=True)
     # One line about a live source (shown above the player when not empty): where it listens,
     # what went wrong (no server, a bad frame, a restart), so a learner never faces a frozen view.
     status = traitlets.Unicode("").tag(sync=True)
@@ -240,6 +244,7 @@ class RadixView(anywidget.AnyWidget):
             duration_ms=self.duration_ms,
             max_nodes=self.max_nodes,
             thumbnails=self._images,
+            fit_min_text_px=self.fit_min_text_px,
         )
 
     def __len__(self) -> int:

@@ -881,14 +881,22 @@ def build_parser() -> argparse.ArgumentParser:
         'Lines: {"prompt_token_ids": [...]} or {"messages": [...]} (OpenAI chat; needs '
         "--model's processor, not its weights). Or, with --from-recording, a real vLLM or "
         "SGLang session: its KV events and each response's cached_tokens, no replay; what they "
-        "cannot explain is labelled unknown (minirad.kv_events.explain_events).",
+        "cannot explain is labelled unknown (minirad.kv_events.explain_events). The report "
+        "names the requests r1, r2, ... in the order they were sent (chapter 08's names); with "
+        "--json, a line's \"request\" counts from 0 (as do its runs' by_request) and its "
+        '"label" is r1, r2, ...',
     )
-    x.add_argument("trace", nargs="?", help="JSONL file: one request per line")
+    x.add_argument(
+        "trace",
+        nargs="?",
+        help="JSONL file: one request per line (default: none; give a trace or --from-recording)",
+    )
     x.add_argument(
         "--from-recording",
         metavar="PATH",
         help="a recorded real-server session instead of a trace: PATH_outputs.json and "
-        "PATH_events.jsonl (e.g. data/recordings/vllm_ch08); the cache options do not apply",
+        "PATH_events.jsonl (e.g. data/recordings/vllm_ch08); the cache options do not apply "
+        "(default: none, a trace)",
     )
     x.add_argument("--cache", choices=CACHE_DESIGNS, default="radix", help="cache design")
     x.add_argument("--capacity", type=positive_int, default=4096, help="cache size in tokens")
@@ -897,7 +905,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--policy", choices=tuple(EVICTION_POLICIES), default="lru", help="radix cache eviction"
     )
-    x.add_argument("--model", default=None, help="model folder for chat lines (its processor)")
+    x.add_argument(
+        "--model",
+        default=None,
+        help="model folder whose chat template and processor render the trace's chat lines "
+        f"(default: the shipped {DEFAULT_MODEL_DIR.name}; not needed for token-id lines)",
+    )
     x.add_argument("--json", action="store_true", help="one JSON line per request")
     x.set_defaults(run=_explain)
     return parser

@@ -6,6 +6,8 @@ folder), rendered with ``--model``'s chat template and processor (no weights are
 The requests are replayed one at a time through a radix or block cache
 (:func:`~minirad.kv_events.explain_trace.explain_trace`); the command prints the prompt tokens
 per cause, the requests that missed most and why, or with ``--json`` one line per request.
+The report names requests r1, r2, ... in the trace's order (chapter 08's names); a JSON line's
+``"request"`` counts from 0, as do the ``by_request`` of its runs, and its ``"label"`` is r1...
 
 ``minirad explain --from-recording PATH`` reads a real vLLM or SGLang session instead
 (``PATH_outputs.json``, ``PATH_events.jsonl``, e.g. ``data/recordings/vllm_ch08``): no replay,
@@ -21,6 +23,7 @@ import stat
 from pathlib import Path
 
 from minirad.errors import ImageError, InvalidArgumentError, RequestError
+from minirad.kv_events.miss_causes import describe_fork, label
 
 __all__ = ["format_report", "load_trace", "run_explain"]
 
@@ -164,9 +167,7 @@ def format_report(explained, totals: dict[str, int], worst: int = 5) -> str:
                 for r in e.runs
                 if r.cause != "hit"
             )
-            lines.append(
-                f"  request {e.request}: {e.num_tokens - e.tokens('hit'):,} missed: {runs}"
-            )
+            lines.append(f"  {label(e.request)}: {e.num_tokens - e.tokens('hit'):,} missed: {runs}")
     return "\n".join(lines)
 
 
@@ -175,16 +176,15 @@ def _detail(detail: dict) -> str:
         n = detail.get("min_kept")
         kept = f"; MIN would have served {n:,} of them" if n else ""
         return (
-            f" (by request {detail['by_request']} at tick {detail['time']}, {detail['policy']}"
+            f" (by {label(detail['by_request'])} at tick {detail['time']}, {detail['policy']}"
             f"{kept})"
         )
     if "at" in detail:
-        image = ", an image" if detail.get("image") else ""
         if not detail["seen_next"]:
             if not detail["at"]:
                 return " (no earlier prompt)"
             return f" (earlier prompts ended before token {detail['at']})"
-        return f" (token {detail['token']}{image} where earlier prompts had {detail['seen_next']})"
+        return f" ({describe_fork(detail)})"
     if "seq" in detail:  # a real server's removal (explain_events)
         cleared = ", all blocks cleared" if detail.get("cleared") else ""
         return f" (removed in event batch seq {detail['seq']}, ts {detail['ts']}{cleared})"
@@ -219,8 +219,9 @@ def run_explain(args, out=print) -> int:
         explained, best = _replay(args)
         by_cause = totals(explained)
     if args.json:
+        # "request" counts from 0 (backward compatible); "label" names it as the report does.
         for e in explained:
-            out(json.dumps(e.to_dict()))
+            out(json.dumps({"request": e.request, "label": label(e.request), **e.to_dict()}))
     else:
         report = format_report(explained, by_cause)
         if best is not None:

@@ -26,7 +26,9 @@ Per request (prompt ``P`` of ``n`` tokens, ``c`` cached tokens, blocks of ``B`` 
 - after the chain, an earlier request that had the same chain (prompt and answer, images told
   apart by the extra keys' hashes) may continue the prompt token by token: those tokens are
   ``block_floor`` (seen, but no full block of them stored); the rest ``first_seen`` (the detail
-  says where, what earlier requests had there, and whether it is an image).
+  says where, what earlier requests had there, and whether it is an image: then
+  ``image_hash``, this prompt's image, and ``seen_next_images``, the earlier prompts', by
+  their ``mm_hash`` where the events name them, since the placeholder id is the same).
 
 Where several readings remain (candidate chains, an image whose hash no event carries, a
 removal that may have come just before or just after the request), the readings that agree
@@ -454,7 +456,23 @@ def _label(
             }
             detail: dict = {"at": seen, "token": int(prompt[seen]), "seen_next": sorted(nexts)[:8]}
             if prompt[seen] in history.placeholders:
+                # The same placeholder id on both sides: the images are told apart by their
+                # mm_hash (where the events name them), this prompt's and the earlier ones'.
                 detail["image"] = True
+                here = mine.get(seen, frozenset())
+                if len(here) == 1:
+                    detail["image_hash"] = next(iter(here))
+                there = frozenset().union(
+                    *(
+                        q.images.get(seen, frozenset())
+                        for a, z, q in stops
+                        if seen in (a, z)
+                        and seen < len(q.tokens)
+                        and q.tokens[seen] == prompt[seen]
+                    )
+                )
+                if there:
+                    detail["seen_next_images"] = sorted(there)[:8]
             text = json.dumps(detail, sort_keys=True)
             for t in range(seen, n):
                 variant[t] = ("first_seen", text)

@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from minirad.errors import InvalidArgumentError
 from minirad.kvcache.radix_cache import RadixCache, TreeNode
 
-__all__ = ["CAUSES", "Eviction", "PrefixHistory", "Run", "label_runs"]
+__all__ = ["CAUSES", "Eviction", "PrefixHistory", "Run", "describe_fork", "label", "label_runs"]
 
 CAUSES = ("hit", "last_token", "evicted", "block_floor", "first_seen")
+# An image in a detail: its hash's first hex digits ("image 3fa2c1..."), as a replay names it.
+IMAGE_DIGITS = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +195,7 @@ def label_runs(
 
         def show(t: int) -> int | str:  # an image's pad id, 77 digits, as its hash's head
             if vocab_size is not None and t >= vocab_size:
-                return f"image {t - vocab_size:064x}"[:18]
+                return f"image {t - vocab_size:064x}"[: len("image ") + IMAGE_DIGITS]
             return int(t)
 
         detail: dict = {"at": at, "token": show(int(tokens[at]))}
@@ -202,3 +204,37 @@ def label_runs(
             detail["seen_next_more"] = len(other) - 8
         add(at, n, "first_seen", detail)
     return runs
+
+
+def label(request: int | str) -> str:
+    """A request as the report names it: ``r1`` for the first (index 0) of the trace or
+    recording; another name (an engine's request id) as it is."""
+    return f"r{request + 1}" if type(request) is int else str(request)
+
+
+def _token(t: int | str) -> str:
+    """A token of a detail: ``token id 432``, or an image as a replay names it
+    (``image 3fa2c1...``)."""
+    return t if isinstance(t, str) else f"token id {t}"
+
+
+def describe_fork(detail: dict) -> str:
+    """Where a ``first_seen`` run's prompt left the earlier ones (its detail): its token there
+    and theirs, ``"token id 432 where earlier prompts had token id 614"``; an image by its
+    hash's first digits, ``"image 398e8ba9e76b where earlier prompts had image e96150181102"``
+    (a real server's events name this prompt's and the earlier ones' apart from the token, a
+    placeholder id that is the same for every image; a replay names images in the tokens)."""
+    here = _token(detail["token"])
+    theirs = [_token(t) for t in detail["seen_next"]]
+    if detail.get("image"):
+        if "image_hash" in detail:
+            here = f"image {detail['image_hash'][:IMAGE_DIGITS]}"
+        else:
+            here = f"{here}, an image the events do not name,"
+        images = [f"image {h[:IMAGE_DIGITS]}" for h in detail.get("seen_next_images", ())]
+        if images:
+            theirs = images + [_token(t) for t in detail["seen_next"] if t != detail["token"]]
+    more = detail.get("seen_next_more", 0)
+    return f"{here} where earlier prompts had {' or '.join(theirs)}" + (
+        f" or {more} more" if more else ""
+    )

@@ -34,7 +34,9 @@ const COL_W = 148, ROW_H = 64, BOX_W = 136, BOX_H = 38, MARGIN = 12;
 const CELL = 10, CELL_PITCH = 12, CELLS_PER_ROW = 64, MAX_POOL_CELLS = 2048;
 const THUMB = 26; // px, the image drawn on an edge that starts with an image
 // Node text is TEXT_PX (radix_view.css); "fit" shrinks the drawing to the width available but
-// never makes that text smaller than MIN_TEXT_PX (a wider tree scrolls sideways instead).
+// never makes that text smaller than the trait fit_min_text_px (MIN_TEXT_PX by default: a wider
+// tree scrolls sideways instead). A player beside another (viz/beside.py) sets it to 0: there
+// fit draws the whole tree, as small as that takes (a node's full text shows on hover).
 const TEXT_PX = 12, MIN_TEXT_PX = 11;
 const SPEEDS = [0.5, 1, 2, 4];
 const STATES = ["added", "accessed", "split", "evicted", "idle"];
@@ -205,8 +207,8 @@ function render({ model, el }) {
   const eventsList = htmlEl("ol", "", eventsBox);
   const treeWrap = htmlEl("div", "rv-tree-wrap", root);
   const tree = svgEl("svg", { class: "rv-tree" }, treeWrap);
-  // Shown when the tree is wider than the view ("fit" never shrinks text below MIN_TEXT_PX).
-  const scrollHint = htmlEl("div", "rv-scroll-hint", root, "wider than the view: scroll sideways →");
+  // Shown when the tree is wider than the view: "fit" is off, or it keeps the text at its floor.
+  const scrollHint = htmlEl("div", "rv-scroll-hint", root);
   const edgeLayer = svgEl("g", { class: "rv-edges" }, tree);
   const nodeLayer = svgEl("g", { class: "rv-nodes" }, tree);
   const thumbLayer = svgEl("g", { class: "rv-thumbs" }, tree);
@@ -270,14 +272,27 @@ function render({ model, el }) {
   const width = (cols) => 2 * MARGIN + cols * COL_W;
   const height = (rows) => 2 * MARGIN + (rows - 1) * ROW_H + BOX_H;
 
+  // The smallest node text "fit" draws, in px (0: fit always draws the whole tree's width).
+  const minTextPx = () => {
+    const px = Number(model.get("fit_min_text_px"));
+    return Number.isFinite(px) && px >= 0 ? px : MIN_TEXT_PX;
+  };
+
   function place() {
     const fitted = Math.min(1, availW / width(ext.cols));
-    scale = fitBox.checked && availW > 0 ? Math.max(MIN_TEXT_PX / TEXT_PX, fitted) : 1;
+    const floor = Math.min(1, minTextPx() / TEXT_PX);
+    scale = fitBox.checked && availW > 0 ? Math.max(floor, fitted) : 1;
     const w = width(cur.cols), h = height(cur.rows);
+    // Rounded up (text never under its floor), but not for a float's last bit: a drawing
+    // fitted to the view is never a pixel wider than it.
+    const shownW = Math.ceil(w * scale - 1e-6), shownH = Math.ceil(h * scale - 1e-6);
     tree.setAttribute("viewBox", `0 0 ${w} ${h}`);
-    tree.style.width = `${Math.ceil(w * scale)}px`;
-    tree.style.height = `${Math.ceil(h * scale)}px`;
-    scrollHint.hidden = !(availW > 0 && Math.ceil(w * scale) > availW);
+    tree.style.width = `${shownW}px`;
+    tree.style.height = `${shownH}px`;
+    scrollHint.hidden = !(availW > 0 && shownW > availW);
+    scrollHint.textContent = fitBox.checked
+      ? `wider than the view: scroll sideways → (fit keeps node text at ${minTextPx()} px or more)`
+      : "wider than the view: scroll sideways →, or tick fit";
   }
 
   // The width the output area gives the drawing is known once the view is on the page, and
@@ -771,6 +786,7 @@ function render({ model, el }) {
   model.on("change:_frames", reload);
   model.on("change:_images", reload);
   model.on("change:max_nodes", reload);
+  model.on("change:fit_min_text_px", place);
   model.on("msg:custom", onMessage);
   model.on("change:status", showStatus);
 
@@ -787,6 +803,7 @@ function render({ model, el }) {
     model.off("change:_frames", reload);
     model.off("change:_images", reload);
     model.off("change:max_nodes", reload);
+    model.off("change:fit_min_text_px", place);
     model.off("msg:custom", onMessage);
     model.off("change:status", showStatus);
   };
