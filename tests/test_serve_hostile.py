@@ -442,6 +442,29 @@ def test_sigterm_or_ctrl_c_under_load_exits_within_the_graceful_timeout(how, big
         assert [e["error"]["code"] for e in errors] == [503], events[-3:]
 
 
+def test_ctrl_c_while_the_model_loads_says_one_line():
+    """Before uvicorn takes over the signals, Ctrl-C raised KeyboardInterrupt wherever the
+    load was, and printed its traceback. Now one line, and the shell's status for SIGINT."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "minirad", "serve", "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        time.sleep(1.5)  # past the command's own imports (0.4 s), into torch's and the model's
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    log = proc.stderr.read()
+    assert "Uvicorn running" not in log, "the server was up: the load was too fast to test"
+    assert "Traceback" not in log, log[-3000:]
+    assert log.strip().splitlines()[-1] == "minirad serve: interrupted", log[-3000:]
+    assert proc.returncode == 130, (proc.returncode, log[-3000:])
+
+
 # --------------------------------------------- bodies too big to parse on the event loop
 def test_a_body_of_ten_million_numbers_is_refused_before_it_is_parsed(url, reference):
     """Ten million ints (20 MB, under the byte limit), in an ignored field or as a token-id

@@ -957,7 +957,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``minirad`` command on ``argv`` (default: the command line); returns the exit
     status. Bad arguments exit through argparse (status 2); library errors print one line on
-    stderr and return 2."""
+    stderr and return 2; Ctrl-C (while a model loads, say: a serving server has its own
+    graceful stop) prints one line and returns 130, as a shell reports SIGINT."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
@@ -965,3 +966,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, even for a multi-line HF message
         print(f"minirad {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"minirad {args.command}: interrupted", file=sys.stderr)
+        return 130
