@@ -220,3 +220,12 @@ def browser():
 
     with chromium() as b:
         yield b
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh 1280 x 900 page of the session's chromium, closed after the test (a test file
+    may define its own)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    yield page
+    page.close()

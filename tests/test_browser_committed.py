@@ -162,13 +162,6 @@ def trusted_lab(tmp_path_factory):
             yield lab
 
 
-@pytest.fixture
-def page(browser):
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    yield page
-    page.close()
-
-
 @pytest.mark.parametrize("notebook", CHAPTERS)
 def test_committed_pictures_and_players_draw_before_running(trusted_lab, page, notebook):
     console = Console().watch(page)

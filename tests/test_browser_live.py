@@ -34,7 +34,7 @@ def code_cells() -> list[dict]:
 
 
 def test_the_live_sglang_cell_run_after_run_all_asks_what_its_section_says(
-    sglang_python, browser, tmp_path, monkeypatch
+    sglang_python, page, tmp_path, monkeypatch
 ):
     venv = tmp_path / "venv-sglang"  # no SGLang during Run All: "run `make sglang`"
     monkeypatch.setenv("MINIRAD_SGLANG_VENV", str(venv))
@@ -49,39 +49,35 @@ def test_the_live_sglang_cell_run_after_run_all_asks_what_its_section_says(
     ]
     assert len(recorded) == 2, recorded  # r2, and r2's next turn
 
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
     lab_dir = tmp_path / "lab"
     lab_dir.mkdir()
-    try:
-        with jupyter_lab(lab_dir) as lab:
-            run_all_cells(page, lab, NOTEBOOK, timeout=300)
-            cell = page.locator(".jp-Notebook .jp-CodeCell").nth(k)
-            out = cell.locator(".jp-OutputArea")
-            assert "no SGLang venv" in out.text_content()
+    with jupyter_lab(lab_dir) as lab:
+        run_all_cells(page, lab, NOTEBOOK, timeout=300)
+        cell = page.locator(".jp-Notebook .jp-CodeCell").nth(k)
+        out = cell.locator(".jp-OutputArea")
+        assert "no SGLang venv" in out.text_content()
 
-            venv.symlink_to(sglang_python.parent.parent)  # `make sglang` is done
-            cell.locator(".jp-InputArea-editor").click()
-            page.keyboard.press("Shift+Enter")
-            # While SGLang starts, the cell says how far it is: a stage, long before the end.
-            page.wait_for_function(
-                "(el) => /SGLang +\\d+ s  importing SGLang/.test(el.textContent)",
-                arg=out.element_handle(),
-                timeout=120_000,
-            )
-            assert "SGLang stopped" not in out.text_content()
-            page.wait_for_function(
-                "(el) => /SGLang stopped|Traceback/.test(el.textContent)",
-                arg=out.element_handle(),
-                timeout=400_000,
-            )
-            text = out.text_content()
-            assert "Traceback" not in text, text[-3000:]
-            for line in recorded:
-                assert line in text, f"{line!r} not in the rerun's output:\n{text}"
-            assert "ready: /health answers" in text
-            players = cell.locator(".radix-view")
-            assert players.count() == 2, text
-            shown = players.all_text_contents()
-            assert not any("no frames yet" in s or "\ufffd" in s for s in shown), shown
-    finally:
-        page.close()
+        venv.symlink_to(sglang_python.parent.parent)  # `make sglang` is done
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        # While SGLang starts, the cell says how far it is: a stage, long before the end.
+        page.wait_for_function(
+            "(el) => /SGLang +\\d+ s  importing SGLang/.test(el.textContent)",
+            arg=out.element_handle(),
+            timeout=120_000,
+        )
+        assert "SGLang stopped" not in out.text_content()
+        page.wait_for_function(
+            "(el) => /SGLang stopped|Traceback/.test(el.textContent)",
+            arg=out.element_handle(),
+            timeout=400_000,
+        )
+        text = out.text_content()
+        assert "Traceback" not in text, text[-3000:]
+        for line in recorded:
+            assert line in text, f"{line!r} not in the rerun's output:\n{text}"
+        assert "ready: /health answers" in text
+        players = cell.locator(".radix-view")
+        assert players.count() == 2, text
+        shown = players.all_text_contents()
+        assert not any("no frames yet" in s or "\ufffd" in s for s in shown), shown

@@ -65,13 +65,6 @@ def lab(tmp_path_factory, clone):
             yield lab
 
 
-@pytest.fixture
-def page(browser):
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    yield page
-    page.close()
-
-
 def answer(page, notebook: Path, text: str) -> None:
     """Replace the first line of the open chapter's q1 cell (``answer = ...``) by ``text``."""
     cells = [c for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code"]

@@ -332,3 +332,37 @@ def test_relative_links_resolve_as_the_kernels_resolve_beneath(openat2, top, d_i
         folder = MediaFolder(media)
         for name in [*NAMES, "d/x", "d/y", "d/x/y", "a/x"]:
             assert _read(folder, name) == _openat2_beneath(str(media), name), (name, entries)
+
+
+# ------------------------------------------------------------ the folder the server started on
+def test_a_folder_replaced_by_a_link_after_the_start_is_not_followed(tmp_path):
+    """The folder was opened again by its path for every read: moved away and replaced by a
+    link to another folder, it served that folder's files. Its handle is kept from the start
+    now: the names are read beneath the folder that was opened, wherever it went."""
+    media, outside = tmp_path / "media", tmp_path / "outside"
+    media.mkdir()
+    outside.mkdir()
+    shutil.copy(SQUARE, media / "inside.png")
+    (outside / "secret.png").write_bytes(b"secret")
+    folder = MediaFolder(media)
+    media.rename(tmp_path / "media.old")
+    media.symlink_to(outside)
+    assert _read(folder, "secret.png") is None
+    assert _read(folder, "inside.png") == SQUARE.read_bytes()
+
+
+def test_relative_names_outlive_the_working_folder(tmp_path, monkeypatch):
+    """A working folder removed after the start made every relative name a 500
+    (``os.path.abspath`` raised FileNotFoundError): names are taken from the start's."""
+    media, work = tmp_path / "media", tmp_path / "work"
+    media.mkdir()
+    work.mkdir()
+    shutil.copy(SQUARE, media / "inside.png")
+    monkeypatch.chdir(work)
+    folder = MediaFolder("../media")
+    work.rmdir()
+    assert folder.read("../media/inside.png") == SQUARE.read_bytes()
+    with pytest.raises(ImageError, match="not a readable image"):
+        folder.read("../media/missing.png")
+    with pytest.raises(ImageError, match="outside the media folder"):
+        folder.read("elsewhere.png")

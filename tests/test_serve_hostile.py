@@ -465,6 +465,26 @@ def test_ctrl_c_while_the_model_loads_says_one_line():
     assert proc.returncode == 130, (proc.returncode, log[-3000:])
 
 
+def test_a_schema_with_integers_past_64_bits_is_a_400_or_followed_not_a_500(url, reference):
+    """llguidance's conversion of a schema object refused an int outside 64 bits anywhere in
+    it (a bound, an enum, an unknown key): a 500 with a traceback. Given as text, as the str
+    form always was, a bound it cannot meet is a 400 that says so, and the rest is followed."""
+    big_bound = {"type": "integer", "minimum": 2**64}
+    big_elsewhere = {"type": "integer", "x-note": 2**80, "description": -(2**70)}
+    for schema, followed in ((big_bound, False), (big_elsewhere, True)):
+        for fields in (
+            {"guided_json": schema},
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+        ):
+            resp = post(url, "/v1/completions", {"prompt": "a number:", "max_tokens": 4} | fields)
+            if followed:
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["choices"][0]["text"].lstrip("-").isdigit(), resp.text
+            else:
+                assert "invalid json_schema" in assert_refused(resp)
+    assert_serving(url, reference)
+
+
 # --------------------------------------------- bodies too big to parse on the event loop
 def test_a_body_of_ten_million_numbers_is_refused_before_it_is_parsed(url, reference):
     """Ten million ints (20 MB, under the byte limit), in an ignored field or as a token-id

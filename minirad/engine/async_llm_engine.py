@@ -9,6 +9,7 @@ belongs to, and the engine goes on. ``docs/architecture.md`` draws the threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -22,12 +23,14 @@ from minirad.engine import EngineCoreRequest, EngineStats, GenerateRequest, LLME
 from minirad.errors import RequestError
 
 __all__ = [
+    "INPUT_QUEUE_TIMEOUT_S",
     "INPUT_TIMEOUT_S",
     "AsyncLLMEngine",
     "EngineDeadError",
     "EngineSnapshot",
     "RequestFailedError",
     "RequestStream",
+    "ServerBusyError",
 ]
 
 log = logging.getLogger(__name__)
@@ -36,11 +39,18 @@ log = logging.getLogger(__name__)
 # Longest a request's inputs may take to process (pictures read and preprocessed, grammar
 # compiled), on the input threads: past it the request gets a 400 and the server goes on.
 INPUT_TIMEOUT_S = 10.0
+# Longest a request may wait for an input thread, behind others' inputs: past it, a 503.
+INPUT_QUEUE_TIMEOUT_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (or the server is shutting down); the server answers
     503."""
+
+
+class ServerBusyError(EngineDeadError):
+    """The input threads stayed busy with other requests for ``INPUT_QUEUE_TIMEOUT_S``: a
+    503 as well, and the client may try again (the engine goes on)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -141,13 +151,20 @@ class AsyncLLMEngine:
     Args:
         engine: the engine; only the engine thread touches it from :meth:`start` on.
         input_timeout_s: longest an input may take to process (a 400 after that).
+        input_queue_timeout_s: longest an input may wait for an input thread (a 503 after).
     """
 
     input_workers = 2  # threads processing inputs: the machine's cores, for our 2
 
-    def __init__(self, engine: LLMEngine, input_timeout_s: float = INPUT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        input_timeout_s: float = INPUT_TIMEOUT_S,
+        input_queue_timeout_s: float = INPUT_QUEUE_TIMEOUT_S,
+    ) -> None:
         self.engine = engine
         self.input_timeout_s = input_timeout_s
+        self.input_queue_timeout_s = input_queue_timeout_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands; None: stop
         self._thread = threading.Thread(target=self._run, name="minirad-engine", daemon=True)
         self.inputs: Executor = ThreadPoolExecutor(self.input_workers, "minirad-inputs")
@@ -173,32 +190,55 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and self.error is None
 
     async def run_off_thread(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
-        """``fn(*args)`` on an input thread, within :attr:`input_timeout_s`.
+        """``fn(*args)`` on an input thread, within :attr:`input_timeout_s` from when a thread
+        takes it: a request queued behind others' pictures is not charged their time (a text
+        prompt got "took longer than 10 s; send less" behind thirty big pictures).
 
         Raises:
+            ServerBusyError: no input thread took it within :attr:`input_queue_timeout_s`
+                (a 503: try again).
             RequestError: it took longer (``what`` names it in the message; the thread
                 finishes it and the result is dropped).
             EngineDeadError: :meth:`fail_in_flight` was called meanwhile (the same).
             Exception: what ``fn`` raised.
         """
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.inputs, fn, *args)
+        started = loop.create_future()
+
+        def run() -> Any:
+            with contextlib.suppress(RuntimeError):  # a loop closed since: nobody waits
+                loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
+            return fn(*args)
+
+        future = loop.run_in_executor(self.inputs, run)
         failed = loop.create_future()  # fail_in_flight sets it to its message
         self._processing.add(failed)
         try:
+            first = asyncio.FIRST_COMPLETED
             done, _ = await asyncio.wait(
-                (future, failed), timeout=self.input_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                (started, future, failed), timeout=self.input_queue_timeout_s, return_when=first
             )
+            taken = started.done()
+            if done == {started}:  # running now: its own time starts
+                done, _ = await asyncio.wait(
+                    (future, failed), timeout=self.input_timeout_s, return_when=first
+                )
         except asyncio.CancelledError:  # the client left
             future.cancel()
             raise
         finally:
             self._processing.discard(failed)
+            started.cancel()
         if future in done:
             return future.result()
         future.cancel()  # still queued: it never runs; running: it finishes, the result dropped
         if failed in done:
             raise EngineDeadError(failed.result())
+        if not taken:
+            raise ServerBusyError(
+                f"the server is busy: no input thread was free for "
+                f"{self.input_queue_timeout_s:g} s; try again"
+            )
         raise RequestError(f"{what} took longer than {self.input_timeout_s:g} s; send less")
 
     async def add_request(self, requests: Sequence[GenerateRequest]) -> RequestStream:

@@ -312,7 +312,11 @@ def _grammar_text(params: SamplingParams) -> str:
     """The llguidance grammar of ``params``' constraint (a JSON string)."""
     matcher = llguidance.LLMatcher
     if params.json_schema is not None:
-        return matcher.grammar_from_json_schema(params.json_schema, defaults=JSON_DEFAULTS)
+        # As text: llguidance's own conversion of a dict refuses an int outside 64 bits (a
+        # 500 for `"minimum": 2**64`); JSON text carries any integer, as the str form did.
+        schema = params.json_schema
+        schema = schema if isinstance(schema, str) else json.dumps(schema)
+        return matcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     if params.regex is not None:
         return matcher.grammar_from_regex(params.regex)
     # One lexeme whose alternatives are the choices (Lark string literals are JSON strings):

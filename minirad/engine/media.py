@@ -32,6 +32,7 @@ import io
 import os
 import stat
 import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -155,6 +156,12 @@ def decode_data_url(url: str) -> bytes:
 class MediaFolder:
     """The folder a server reads image files from (vLLM's ``--allowed-local-media-path``).
 
+    The folder is opened once, here, and every name is walked from that handle: a folder
+    moved away and replaced by a link to another one after the server started is not
+    followed (the names are still read beneath the folder that was opened). Relative names
+    are taken from the working folder the server had then, so a working folder removed since
+    changes nothing.
+
     Args:
         path: the folder; file names given to :meth:`read` are relative to the server's
             working folder (or absolute) and must lie in it.
@@ -164,16 +171,25 @@ class MediaFolder:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(os.path.abspath(path))
+        self.cwd = os.getcwd()
+        self.path = self._full(os.fspath(path))
         self.real = Path(os.path.realpath(path))
-        if not self.real.is_dir():
-            raise ImageError(f"the media folder {os.fspath(path)!r} is not a folder")
+        try:
+            self._fd = os.open(self.real, _DIR)
+        except (OSError, ValueError):
+            raise ImageError(f"the media folder {os.fspath(path)!r} is not a folder") from None
+        weakref.finalize(self, os.close, self._fd)
+
+    def _full(self, name: str) -> Path:
+        """``name`` made absolute from the working folder of the start, lexically (no
+        file-system access)."""
+        return Path(os.path.normpath(os.path.join(self.cwd, name)))
 
     def shown(self, name: str) -> str:
         """``name`` as messages show it: relative to the folder when inside it, never the
         server's own folders; cut to 100 characters."""
         if "\x00" not in name:
-            full = Path(os.path.abspath(name))
+            full = self._full(name)
             if full.is_relative_to(self.path):
                 name = str(full.relative_to(self.path))
         return repr(name if len(name) <= 100 else name[:100] + "...")
@@ -191,7 +207,7 @@ class MediaFolder:
         unreadable = _unreadable(shown)  # the message open_image gives a file of other bytes
         if "\x00" in name:
             raise unreadable
-        full = Path(os.path.abspath(name))  # lexical: no file-system access yet
+        full = self._full(name)  # lexical: no file-system access yet
         if not full.is_relative_to(self.path):
             raise ImageError(f"image {shown} is outside the media folder this server reads")
         try:
@@ -218,7 +234,7 @@ class MediaFolder:
                 (``..`` above it, an absolute target outside it), over :data:`MAX_LINKS`
                 links, or a name swapped between its look and its open.
         """
-        dirs = [os.open(self.real, _DIR)]  # the folders walked down, the folder's own first
+        dirs = [self._fd]  # the folders walked down, the media folder's own handle first
         todo = list(reversed(names))  # the names still to walk, the next one last
         links = 0
         try:
@@ -255,7 +271,7 @@ class MediaFolder:
                     raise OSError(errno.EINVAL, "not a regular file")
             raise OSError(errno.EISDIR, "a folder")
         finally:
-            for d in dirs:
+            for d in dirs[1:]:  # the media folder's own stays open
                 os.close(d)
 
     def _inside(self, target: str) -> str:
