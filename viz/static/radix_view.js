@@ -746,6 +746,8 @@ function render({ model, el }) {
     if (s !== index && s < raw.length) { index = s; draw(s); }
   };
   const reload = () => {
+    // The echo of keep() below (another view of this model kept what it was sent): nothing new.
+    if (model.get("_frames").length === raw.length && model.get("_labels").length === labels.length) return;
     raw = [...model.get("_frames")];
     labels = [...model.get("_labels")];
     thumbs = model.get("_images") || {};
@@ -772,6 +774,16 @@ function render({ model, el }) {
     sizeTree(false);
     if (follow) go(raw.length - 1);
     else counter.textContent = `${index + 1} / ${raw.length}`;
+    keep();
+  };
+  // Frames sent as messages live only in this page; set into the model (not sent back to
+  // Python), they are in the widget state JupyterLab saves with the notebook, so a saved live
+  // player shows them after a reload with no kernel (Python stores only what it had when
+  // the player was displayed: store_frames).
+  const keep = () => {
+    if (model.get("_frames").length === raw.length) return;
+    model.set("_labels", [...labels]);
+    model.set("_frames", [...raw]);
   };
   // A mark picked elsewhere (a request slider linked to `mark` with jslink: viz/replicas.py)
   // shows its frame, `marks[mark]`; no kernel needed.
