@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +120,46 @@ def test_a_silent_start_says_nothing():
     server = Milestones().start(timeout_s=60)  # progress=None: as before
     server.stop()
     assert server.startup_s > 0
+
+
+# A server that ignores SIGTERM: stopping it takes the finalizer's whole grace period.
+STUBBORN = (
+    """
+import signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+"""
+    + FAKE_SERVER
+)
+
+
+class Stubborn(Milestones):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", STUBBORN, str(self.port)]
+
+
+def test_a_server_left_running_takes_its_log_with_it_even_if_python_is_killed_stopping_it():
+    """A Jupyter kernel shut down with a live vLLM cell gets 5 s to exit, then is killed; the
+    finalizer spent them waiting for vLLM to stop, and /tmp/minirad-server-* stayed. The log
+    goes first now."""
+    script = (
+        "import sys, time; sys.path.insert(0, sys.argv[1])\n"
+        "from test_server_process import Stubborn\n"
+        "server = Stubborn().start(timeout_s=60)\n"
+        "print(server.log_path.parent, flush=True)\n"
+        "print(server._proc.pid, flush=True)\n"
+    )  # then it exits with the server running: the finalizer stops it
+    here = str(Path(__file__).parent)
+    python = subprocess.Popen(
+        [sys.executable, "-c", script, here], stdout=subprocess.PIPE, text=True
+    )
+    logdir = Path(python.stdout.readline().strip())
+    pid = int(python.stdout.readline())
+    try:
+        time.sleep(1.5)  # inside the finalizer's 5 s wait for the server
+        assert python.poll() is None, "the finalizer did not wait"
+        python.kill()
+        python.wait()
+        assert not logdir.exists(), f"{logdir} was left behind"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)

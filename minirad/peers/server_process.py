@@ -107,9 +107,11 @@ def _stop_group(proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 def _stop_and_clean(proc: subprocess.Popen, logdir: Path) -> None:
-    """The finalizer: a server nobody stopped goes, and so does its log."""
-    _stop_group(proc, 5.0)
+    """The finalizer: a server nobody stopped goes, and so does its log. The log goes first
+    (a server may write to its unlinked file until it ends): a Jupyter kernel shut down gets 5
+    s to exit before it is killed, and vLLM may take them all to stop."""
     shutil.rmtree(logdir, ignore_errors=True)
+    _stop_group(proc, 5.0)
 
 
 class StartProgress:
