@@ -24,7 +24,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from browser_tools import Console, jupyter_lab, missing, run_all_cells
+from browser_tools import Console, jupyter_lab, missing, run_all_cells, write_notebook
 from test_browser_committed import (
     WIDGET,
     check_drawn,
@@ -150,3 +150,35 @@ def test_a_chapter_run_then_answered_keeps_its_new_players(lab, clone, page):
     assert set(shown) <= state.keys(), f"{RUN} saved without the state of its new players"
     # Only the models the outputs use: as many as the committed file holds.
     assert len(state) == len(committed_state), sorted(state)
+
+
+LIVE = (
+    "import viz\nfrom minirad import RadixCache\n"
+    "cache = RadixCache()\nlive = viz.RadixView().attach(cache)\nlive",
+    "for key in ([1, 2, 3, 4], [1, 2, 9], [7, 8]):\n    cache.insert(key)",
+)
+
+
+def test_a_live_players_frames_that_came_after_it_was_shown_are_saved(lab, clone, page):
+    """A live player (chapter 08's vLLM cell) draws the frames that come after it is shown
+    from messages, which the notebook did not keep: saved, its kernel gone, it came back at its
+    first frame. The page keeps them in the model's state, which JupyterLab saves."""
+    fresh_lab(lab)
+    console = Console().watch(page)
+    notebook = "notebooks/live_player.ipynb"
+    write_notebook(clone / notebook, LIVE)
+    run_all_cells(page, lab, notebook, root=clone)
+    view = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .radix-view").first
+    page.wait_for_function(
+        "(el) => el.querySelector('.rv-counter').textContent === '5 / 5'",
+        arg=view.element_handle(),
+        timeout=30_000,
+    )
+    page.wait_for_timeout(1000)  # the page keeps them half a second after the last one
+    page.keyboard.press("Escape")
+    save(page)
+    shut_down_kernels(lab)
+    open_unrun(page, lab, notebook, clone)
+    view = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .radix-view").first
+    assert view.locator(".rv-counter").text_content() == "5 / 5"
+    assert not widget_errors(console)

@@ -270,16 +270,17 @@ def test_live_messages_rebuild_the_same_frames_in_the_browser(tmp_path):
         "const report = { hello: sent[0], frames: [] };\n"
         "emit('msg:custom', messages[2]);  // too early: frame 2 is missing, ignored\n"
         "for (const m of messages) { emit('msg:custom', m); report.frames.push(show(el)); }\n"
-        "report.stored = state._frames.length;\n"
+        "await new Promise((done) => setTimeout(done, 600));  // keep()'s half second\n"
+        "report.stored = state._kept.frames.length;\n"
         "const reopened = document.createElement('div');  // the saved state, no kernel\n"
         "widget.render({ model: { ...model, send() {} }, el: reopened });\n"
         "report.reopened = show(reopened);\n"
         "console.log(JSON.stringify(report));\n"
     )
     report = run_node(tmp_path, script)
-    # The frames that came as messages are in the model's state, which JupyterLab saves: a
-    # live player saved, its kernel gone, reopened, showed only the frames it had when
-    # displayed (found by a learner in chapter 08's live vLLM cell).
+    # The frames that came as messages are in the model's state (``_kept``), which JupyterLab
+    # saves: a live player saved, its kernel gone, reopened, showed only the frames it had
+    # when displayed (found by a learner in chapter 08's live vLLM cell).
     assert report["stored"] == len(view.frames)
     check_played({"frames": [report["reopened"]]}, view.frames[-1:], totals=[len(view.frames)])
     assert report["hello"] == {"kind": "hello", "frames": 1, "labels": 0}

@@ -145,6 +145,11 @@ function visibleNodes(f, max, pinned, before) {
 function render({ model, el }) {
   let raw = [...model.get("_frames")]; // wire frames, unpacked on demand (see frame())
   let labels = [...model.get("_labels")];
+  const kept = model.get("_kept"); // frames a live player received, saved (see keep())
+  if (kept && kept.frames.length > raw.length) {
+    raw = [...kept.frames];
+    labels = [...kept.labels];
+  }
   let thumbs = model.get("_images") || {};
   const maxNodes = () => model.get("max_nodes") || 300;
   let index = 0, shown = -1, timer = null, pinned = null;
@@ -746,8 +751,6 @@ function render({ model, el }) {
     if (s !== index && s < raw.length) { index = s; draw(s); }
   };
   const reload = () => {
-    // The echo of keep() below (another view of this model kept what it was sent): nothing new.
-    if (model.get("_frames").length === raw.length && model.get("_labels").length === labels.length) return;
     raw = [...model.get("_frames")];
     labels = [...model.get("_labels")];
     thumbs = model.get("_images") || {};
@@ -776,14 +779,16 @@ function render({ model, el }) {
     else counter.textContent = `${index + 1} / ${raw.length}`;
     keep();
   };
-  // Frames sent as messages live only in this page; set into the model (not sent back to
-  // Python), they are in the widget state JupyterLab saves with the notebook, so a saved live
-  // player shows them after a reload with no kernel (Python stores only what it had when
-  // the player was displayed: store_frames).
+  // Frames sent as messages live only in this page, and Python stores in `_frames` only what
+  // it had when the player was displayed (store_frames). So the page keeps them in the
+  // model's state as `_kept`, an attribute Python has no trait for (it ignores it, echoes
+  // nothing, and no view reloads on it): JupyterLab saves it with the notebook, and a saved
+  // live player shows them after a reload with no kernel. Half a second after the last
+  // message, so a stream of frames costs one copy, not one per frame.
+  let keeping = null;
   const keep = () => {
-    if (model.get("_frames").length === raw.length) return;
-    model.set("_labels", [...labels]);
-    model.set("_frames", [...raw]);
+    clearTimeout(keeping);
+    keeping = setTimeout(() => model.set("_kept", { frames: [...raw], labels: [...labels] }), 500);
   };
   // A mark picked elsewhere (a request slider linked to `mark` with jslink: viz/replicas.py)
   // shows its frame, `marks[mark]`; no kernel needed.
@@ -809,6 +814,7 @@ function render({ model, el }) {
 
   return () => {
     stop();
+    clearTimeout(keeping);
     resized.disconnect();
     model.off("change:step", onStep);
     model.off("change:mark", onMark);
