@@ -257,7 +257,7 @@ def test_minirad_explain_from_a_recording(capsys):
         f"(image {IMAGE_B[:12]} where earlier prompts had image {IMAGE_A[:12]})\n"
     ) in out
     assert (
-        "  r6: 79 missed: tokens 0-0 block_floor, tokens 1-78 first_seen "
+        "  r6: 79 missed: token 0 block_floor, tokens 1-78 first_seen "
         "(token id 432 where earlier prompts had token id 614)\n"
     ) in out
     assert "request 0" not in out and "r0" not in out

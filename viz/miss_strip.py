@@ -21,7 +21,7 @@ from minirad.events import (
     SplitEvent,
     plural,
 )
-from minirad.kv_events.miss_causes import describe_fork, label
+from minirad.kv_events.miss_causes import describe_fork, label, span
 
 from .frame import Frame
 from .frame_builder import FrameBuilder
@@ -113,7 +113,7 @@ def miss_strip_svg(runs: Sequence, title: str = "", totals: Mapping[str, int] | 
             r["start"],
             r["end"],
             r["cause"],
-            f"tokens {r['start']}-{r['end'] - 1}: {r['cause']}"
+            f"{span(r['start'], r['end'])}: {r['cause']}"
             + (f" ({d})" if (d := _detail(r["detail"])) else ""),
         )
         for r in runs

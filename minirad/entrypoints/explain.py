@@ -23,7 +23,7 @@ import stat
 from pathlib import Path
 
 from minirad.errors import ImageError, InvalidArgumentError, RequestError
-from minirad.kv_events.miss_causes import describe_fork, label
+from minirad.kv_events.miss_causes import describe_fork, label, span
 
 __all__ = ["format_report", "load_trace", "run_explain"]
 
@@ -163,7 +163,7 @@ def format_report(explained, totals: dict[str, int], worst: int = 5) -> str:
             if e.num_tokens == e.tokens("hit"):
                 break
             runs = ", ".join(
-                f"tokens {r.start}-{r.end - 1} {r.cause}{_detail(r.detail)}"
+                f"{span(r.start, r.end)} {r.cause}{_detail(r.detail)}"
                 for r in e.runs
                 if r.cause != "hit"
             )

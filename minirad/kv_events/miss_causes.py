@@ -31,7 +31,16 @@ from dataclasses import dataclass, field
 from minirad.errors import InvalidArgumentError
 from minirad.kvcache.radix_cache import RadixCache, TreeNode
 
-__all__ = ["CAUSES", "Eviction", "PrefixHistory", "Run", "describe_fork", "label", "label_runs"]
+__all__ = [
+    "CAUSES",
+    "Eviction",
+    "PrefixHistory",
+    "Run",
+    "describe_fork",
+    "label",
+    "label_runs",
+    "span",
+]
 
 CAUSES = ("hit", "last_token", "evicted", "block_floor", "first_seen")
 # An image in a detail: its hash's first hex digits ("image 3fa2c1..."), as a replay names it.
@@ -210,6 +219,12 @@ def label(request: int | str) -> str:
     """A request as the report names it: ``r1`` for the first (index 0) of the trace or
     recording; another name (an engine's request id) as it is."""
     return f"r{request + 1}" if type(request) is int else str(request)
+
+
+def span(start: int, end: int) -> str:
+    """Prompt positions ``start .. end - 1`` as a report names them: ``token 7`` for one,
+    ``tokens 7-12`` for more."""
+    return f"token {start}" if end - start == 1 else f"tokens {start}-{end - 1}"
 
 
 def _token(t: int | str) -> str:
