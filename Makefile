@@ -55,8 +55,9 @@ dot:
 # Trusting the chapters (a signature in the user's Jupyter data folder; the files are left
 # alone) lets JupyterLab show their committed pictures and players before anything runs:
 # untrusted notebooks show no SVG and no widget. The server config saves a chapter whose cells
-# are unedited as the committed file, so running the course leaves `git status` clean, and
-# turns off JupyterLab's news and update checks. The server's root is the repository (the
+# are unedited as the committed file, so running the course leaves `git status` clean; saves
+# an edited one with its players' widget state whole, so they draw after a reload with no
+# kernel; and turns off JupyterLab's news and update checks. The server's root is the repository (the
 # chapters send you to minirad/, data/ and tools/); the tour opens first.
 # (tests/test_jupyter_server_config.py starts the command that `make -n lab` prints.)
 lab: dot venv
