@@ -18,8 +18,7 @@ STAGE_NAME=sglang
 
 stage "building $VENV: 3.4 GB, 3 to 9 minutes on a 2-core machine"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-PACKAGES=$(grep -c '==' "$HERE/sglang-cpu-requirements.txt")
-stage "downloading and installing $PACKAGES pinned packages"
+stage "downloading and installing its pinned packages"
 pip_install "$VENV/bin/python" --no-deps -r "$HERE/sglang-cpu-requirements.txt"
 stage "checking that SGLang's model runner imports"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -7,8 +7,8 @@
 stage() { printf 'make %s [%4d s] %s\n' "$STAGE_NAME" "$SECONDS" "$*"; }
 
 # pip_install PYTHON ARGS...: pip install ARGS, saying each package as pip collects it
-# ("  12 of 156: torch==2.13.0", "of N" where the variable PACKAGES gives N), then that it
-# installs them. On a failure, pip's last 40 lines of output follow.
+# ("  12: torch==2.13.0"), then how many it installs. On a failure, pip's last 40 lines of
+# output follow.
 pip_install() {
     local python=$1 log
     shift
@@ -22,15 +22,19 @@ pip_install() {
 }
 
 _say_packages() {
-    local n=0 line
+    local n=0 line commas
     while IFS= read -r line; do
         case $line in
             Collecting\ *)
                 n=$((n + 1))
                 line=${line#Collecting }
-                stage "  $n${PACKAGES:+ of $PACKAGES}: ${line%% (from *}"
+                stage "  $n: ${line%% (from *}"
                 ;;
-            Installing\ collected\ packages:*) stage "  installing the $n packages" ;;
+            Installing\ collected\ packages:*)
+                line=${line#*: }
+                commas=${line//[^,]/}
+                stage "  installing $((${#commas} + 1)) packages"
+                ;;
         esac
     done
 }
