@@ -10,6 +10,7 @@ wait for a thread has its own limit, past which the answer is a 503 to try again
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -28,6 +29,13 @@ def engine() -> LLMEngine:
     return LLMEngine.from_pretrained(DEFAULT_MODEL_DIR)
 
 
+def run(coroutine):
+    """``asyncio.run(coroutine)`` in a thread of its own: a test of the same worker may have
+    left an event loop running in this one (playwright's)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def busy_threads(inputs, release: threading.Event) -> list:
     """Both input threads taken by work that ends when ``release`` is set."""
     return [inputs.submit(release.wait, 30) for _ in range(AsyncLLMEngine.input_workers)]
@@ -43,7 +51,7 @@ def test_a_queued_input_has_its_own_time_not_the_others(engine):
         return await runner.run_off_thread(lambda: "done", what="processing the prompt")
 
     start = time.monotonic()
-    assert asyncio.run(quick()) == "done"
+    assert run(quick()) == "done"
     assert time.monotonic() - start >= 3 * LIMIT_S  # it did wait behind them
     runner.shutdown()
 
@@ -55,11 +63,11 @@ def test_an_input_past_its_own_time_is_a_400_and_a_wait_past_the_queues_a_503(en
         await runner.run_off_thread(time.sleep, 3 * LIMIT_S, what="reading the images")
 
     with pytest.raises(RequestError, match="reading the images took longer than 0.5 s"):
-        asyncio.run(slow())
+        run(slow())
     release = threading.Event()
     held = busy_threads(runner.inputs, release)
     with pytest.raises(ServerBusyError, match="no input thread was free for 0.5 s; try again"):
-        asyncio.run(slow())
+        run(slow())
     assert isinstance(ServerBusyError("x"), EngineDeadError)  # the server's 503
     release.set()
     for f in held:
