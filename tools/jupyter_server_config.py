@@ -135,8 +135,9 @@ def keep_players(nb: nbformat.NotebookNode, *older: nbformat.NotebookNode | None
             cell.outputs = [out for out in cell.outputs if _drawable(out, state)]
     widgets = nb.metadata.setdefault("widgets", {})
     saved = widgets.setdefault(live_cells.WIDGET_STATE, {"version_major": 2, "version_minor": 0})
-    saved["state"] = state
-    saved["state"] = {k: v for k, v in state.items() if k in live_cells.used_models(nb)}
+    saved["state"] = state  # used_models reads it from nb
+    used = live_cells.used_models(nb)
+    saved["state"] = {k: v for k, v in state.items() if k in used}
     if not saved["state"]:
         del widgets[live_cells.WIDGET_STATE]
     if not widgets:
