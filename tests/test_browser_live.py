@@ -77,7 +77,11 @@ def test_the_live_sglang_cell_run_after_run_all_asks_what_its_section_says(
         for line in recorded:
             assert line in text, f"{line!r} not in the rerun's output:\n{text}"
         assert "ready: /health answers" in text
+        # The players are displayed after "SGLang stopped" is printed; widgets render a
+        # moment after the text arrives, so wait for them rather than count at once.
+        from playwright.sync_api import expect
+
         players = cell.locator(".radix-view")
-        assert players.count() == 2, text
+        expect(players).to_have_count(2, timeout=60_000)
         shown = players.all_text_contents()
         assert not any("no frames yet" in s or "\ufffd" in s for s in shown), shown
