@@ -130,6 +130,15 @@ def test_block_extra_keys_name_every_block_that_overlaps_the_image() -> None:
     assert block_extra_keys(4, 8, [item], extra_key="salt") == (("h", 2),)
 
 
+def test_a_salted_first_block_with_an_image_keys_the_image_first_as_vllm_does() -> None:
+    """vLLM 0.32 orders a block's extra keys LoRA name, images, cache salt
+    (``generate_block_hash_extra_keys``); tests/test_vllm_events.py checks the real server's
+    events against this."""
+    item = MultiModalItem(offset=1, length=8, mm_hash="h")
+    assert block_extra_keys(0, 4, [item], extra_key="salt") == (("h", 1), "salt")
+    assert block_extra_keys(4, 8, [item], extra_key="salt") == (("h", -3),)
+
+
 def test_block_cache_shares_only_the_blocks_before_the_image() -> None:
     ha, hb = hash_image(image((255, 0, 0))), hash_image(image((0, 0, 255)))
     item_a, item_b = MultiModalItem(6, 8, ha), MultiModalItem(6, 8, hb)

@@ -32,6 +32,7 @@ from minirad.kv_events import (
     encode_batch,
 )
 from minirad.kv_events.block_events import VLLM_BLOCK_SIZE
+from minirad.kvcache.multimodal import MultiModalItem, block_extra_keys
 from minirad.peers.vllm_server import DEFAULT_MODEL_DIR, VLLMServer
 
 IMAGE_TOKEN_ID = 3  # data/models/minirad-tiny-llava/config.json: image_token_index
@@ -76,10 +77,10 @@ class Stream:
         self.items += new
         return new
 
-    def ask(self, server: VLLMServer, question: str, image=None, system=None):
+    def ask(self, server: VLLMServer, question: str, image=None, system=None, cache_salt=None):
         """One request and the batches it caused."""
         self.drain()
-        answer = server.chat(question, image=image, system=system)
+        answer = server.chat(question, image=image, system=system, cache_salt=cache_salt)
         return answer, [it[1] for it in self.drain() if not isinstance(it, Notice)]
 
     def depth(self, h: int | None) -> int:
@@ -186,6 +187,22 @@ def test_an_image_request_stores_chained_blocks(server, stream, scenes):
             IMAGE_START < VLLM_BLOCK_SIZE * (i + 1) and VLLM_BLOCK_SIZE * i < IMAGE_START + 64
         )
         assert keys == ([[mm_hash, IMAGE_START - VLLM_BLOCK_SIZE * i]] if overlaps else None)
+
+
+def test_a_salted_image_request_keys_its_blocks_in_our_order(server, stream, scenes):
+    """vLLM publishes a salted first block's extra keys as the image, then the salt; ours
+    (``block_extra_keys``, which our block hashes and events use) come in the same order."""
+    answer, batches = stream.ask(
+        server, "Describe the image.", image=render(scenes[0]), cache_salt="course-salt"
+    )
+    assert answer["cached_tokens"] == 0  # salted: nothing unsalted is shared
+    extra = [k for e in stored_events(batches) for k in e.extra_keys]
+    (mm_hash, offset), salt = extra[0]
+    assert (offset, salt) == (IMAGE_START, "course-salt")
+    image = [MultiModalItem(IMAGE_START, 64, mm_hash)]
+    for i, keys in enumerate(extra):
+        ours = block_extra_keys(VLLM_BLOCK_SIZE * i, VLLM_BLOCK_SIZE * (i + 1), image, salt)
+        assert keys == ([list(k) if isinstance(k, tuple) else k for k in ours] if ours else None)
 
 
 def test_another_image_forks_through_the_hashes(server, stream, scenes):

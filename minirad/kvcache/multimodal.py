@@ -132,14 +132,17 @@ def block_extra_keys(
     """Extra keys of the block holding tokens ``[start, end)``, or None if it has none.
 
     Each image overlapping the block contributes ``(mm_hash, offset - start)``: the offset is
-    negative when the block holds the middle or tail of the image. ``extra_key`` (a cache
-    salt or LoRA name) is added to the first block only; the hash chain carries it to every
-    later block.
+    negative when the block holds the middle or tail of the image. ``extra_key`` (the cache's
+    namespace, in the place of vLLM's ``cache_salt``) is added to the first block only, after
+    the images, in vLLM 0.32's order (``generate_block_hash_extra_keys``: LoRA name, images,
+    cache salt; its events publish the keys in that order, untagged); the hash chain carries it
+    to every later block.
     """
-    keys: list = []
+    keys: list = [
+        (item.mm_hash, item.offset - start)
+        for item in mm_items
+        if item.offset < end and start < item.offset + item.length
+    ]
     if extra_key is not None and start == 0:
         keys.append(extra_key)
-    for item in mm_items:
-        if item.offset < end and start < item.offset + item.length:
-            keys.append((item.mm_hash, item.offset - start))
     return tuple(keys) if keys else None

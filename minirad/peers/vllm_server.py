@@ -189,12 +189,15 @@ class VLLMServer(ServerProcess):
         image: Any = None,
         max_tokens: int = 16,
         system: str | None = None,
+        cache_salt: str | None = None,
     ) -> dict:
         """One greedy chat completion (``POST /v1/chat/completions``), the image first, then the
         question, as the model's chat template lays them out.
 
         Args:
             image: a PIL image or an image file path, sent as a PNG data URL; None: text only.
+            cache_salt: vLLM's ``cache_salt``: the request's blocks hash apart from unsalted
+                ones (the salt is the first block's last extra key).
 
         Returns:
             ``{"text", "token_ids" (output, the stop token included), "prompt_token_ids",
@@ -220,7 +223,8 @@ class VLLMServer(ServerProcess):
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
                 "return_token_ids": True,  # vLLM's extension: choices[0].token_ids, prompt ids
-            },
+            }
+            | ({"cache_salt": cache_salt} if cache_salt is not None else {}),
         )
         try:
             choice = reply["choices"][0]
