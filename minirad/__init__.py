@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "EventRecorder": "events",
     "load_events": "events",
     "save_events": "events",
-    "POLICIES": "kvcache.eviction",
+    "EVICTION_POLICIES": "kvcache.eviction",
     "get_policy": "kvcache.eviction",
     "KVCache": "kvcache.kv_pool",
     "TokenToKVPoolAllocator": "kvcache.kv_pool",

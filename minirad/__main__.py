@@ -1,4 +1,4 @@
-"""``python -m minirad {generate,batch} ...``: the ``minirad`` command
+"""``python -m minirad {generate,batch,serve,explain} ...``: the ``minirad`` command
 (:mod:`minirad.entrypoints.cli`)."""
 
 from minirad.entrypoints.cli import main

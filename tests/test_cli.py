@@ -5,6 +5,7 @@ The reference for every answer is Hugging Face ``generate()`` on the same templa
 the cache statistics are checked against what the requests share (a prefix, an image).
 """
 
+import argparse
 import contextlib
 import io
 import json
@@ -21,15 +22,10 @@ import torch
 from PIL import Image
 from tiny_models import IMAGE_SIZE, LLAVA_IMAGE_TOKENS, tiny_llava, tiny_llava_processor
 
+from minirad.entrypoints.argtypes import DTYPES
 from minirad.entrypoints.chat_utils import chat_prompt
-from minirad.entrypoints.cli import (
-    DTYPES,
-    JSONL_FIELDS,
-    build_parser,
-    cut_note,
-    finish_note,
-    main,
-)
+from minirad.entrypoints.cli import build_parser, cut_note, finish_note, main
+from minirad.entrypoints.commands.inputs import JSONL_FIELDS
 
 # A chat template over the tiny word-level vocabulary ("w4" .. "w95" are words): the role
 # and turn markers are ordinary words, so the prompt tokenizes without unknown tokens.
@@ -135,7 +131,8 @@ def test_batch_prints_answers_and_cache_stats(tiny_dir, capsys):
     root, model, processor = tiny_dir
     jsonl = write_jsonl(root / "requests.jsonl", ROWS)
     argv = ["batch", str(jsonl), "--model", str(root / "model"), "--max-new-tokens", str(MAX_NEW)]
-    assert main(argv + ["--page-size", "2", "--policy", "lpm"]) == 0
+    policies = ["--schedule-policy", "lpm", "--radix-eviction-policy", "slru"]
+    assert main(argv + ["--page-size", "2", *policies]) == 0
     out = capsys.readouterr().out
     for i, row in enumerate(ROWS):
         images = [root / p for p in row["images"]]
@@ -267,8 +264,8 @@ def test_help_and_argument_errors_do_not_import_torch():
         assert "torch" not in sys.modules, "import minirad"
         from minirad.entrypoints.cli import main
         quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
-        for argv in (["--help"], ["generate", "--help"], ["batch", "x", "--policy", "no"],
-                     ["generate", "--prompt", ""]):
+        for argv in (["--help"], ["generate", "--help"], ["batch", "x", "--schedule-policy", "no"],
+                     ["batch", "x", "--policy", "lru"], ["generate", "--prompt", ""]):
             with quiet[0], quiet[1], contextlib.suppress(SystemExit):
                 main(argv)
             heavy = {"torch", "transformers"} & set(sys.modules)
@@ -282,22 +279,97 @@ def test_help_and_argument_errors_do_not_import_torch():
     assert run.returncode == 0, run.stderr
 
 
+def subparser(name: str):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
 def test_parser_choices_are_the_engines():
-    from minirad.engine import POLICIES, PREFIX_STRATEGIES
+    from minirad.engine import PREFIX_STRATEGIES, SCHEDULE_POLICIES
+    from minirad.kvcache.eviction import EVICTION_POLICIES
     from minirad.kvcache.hiradix_cache import WRITE_POLICIES
     from minirad.models import DEFAULT_MODEL_DIR
 
     args = build_parser().parse_args(["batch", "x.jsonl"])
     assert args.model == str(DEFAULT_MODEL_DIR)
-    batch = build_parser()._subparsers._group_actions[0].choices["batch"]
-    choices = {a.dest: a.choices for a in batch._actions if a.choices}
-    assert choices == {
-        "prefix_strategy": PREFIX_STRATEGIES,
-        "policy": POLICIES,
-        "dtype": DTYPES,
-        "hicache_write_policy": WRITE_POLICIES,
-    }
+    for command in ("batch", "serve"):
+        choices = {a.dest: a.choices for a in subparser(command)._actions if a.choices}
+        assert choices == {
+            "prefix_strategy": PREFIX_STRATEGIES,
+            "schedule_policy": tuple(SCHEDULE_POLICIES),
+            "radix_eviction_policy": tuple(EVICTION_POLICIES),
+            "dtype": DTYPES,
+            "hicache_write_policy": WRITE_POLICIES,
+        }
     assert all(getattr(torch, name).is_floating_point for name in DTYPES)
+
+
+def test_every_engine_command_names_the_policies_as_sglang_does():
+    """One flag per kind of policy, the same in every command that has a queue to order
+    (``batch``, ``serve``) or a tree to evict from (those and ``explain``), with SGLang's names
+    and, where we implement the same policy, its choices (sglang/srt/arg_groups). ``generate``
+    serves one request on a fresh engine: it has neither."""
+    from minirad.engine import SCHEDULE_POLICIES
+    from minirad.kvcache.eviction import EVICTION_POLICIES
+
+    flags = {
+        "--schedule-policy": "schedule_policy",
+        "--radix-eviction-policy": "radix_eviction_policy",
+    }
+    expected = {
+        "generate": set(),
+        "batch": set(flags),
+        "serve": set(flags),
+        "explain": {"--radix-eviction-policy"},
+    }
+    sglang_schedule = {"lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key",
+                       "hrrn", "shortest-prefill-first"}  # fmt: skip
+    sglang_eviction = {"lru", "lfu", "slru", "priority", "tlru"}
+    assert set(SCHEDULE_POLICIES) <= sglang_schedule
+    assert sglang_eviction <= set(EVICTION_POLICIES) <= sglang_eviction | {"fifo"}
+    for command, shown in expected.items():
+        parser = subparser(command)
+        visible = {
+            option
+            for a in parser._actions
+            if a.help != argparse.SUPPRESS
+            for option in a.option_strings
+            if "polic" in option and "hicache" not in option
+        }
+        assert visible == shown, command
+        required = {"generate": ["--prompt", "w10"], "batch": ["x.jsonl"]}
+        args = parser.parse_args(required.get(command, []))
+        for flag in shown:
+            assert getattr(args, flags[flag]) == {"--schedule-policy": "fcfs"}.get(flag, "lru")
+
+
+@pytest.mark.parametrize(
+    "command, old, new, value",
+    [
+        (["batch", "x.jsonl"], "--policy", "--schedule-policy", "lpm"),
+        (["serve"], "--policy", "--schedule-policy", "lpm"),
+        (["explain", "t.jsonl"], "--policy", "--radix-eviction-policy", "fifo"),
+    ],
+)
+def test_the_old_policy_flag_is_a_hidden_alias_that_says_what_to_use(
+    capsys, command, old, new, value
+):
+    """``--policy`` meant the scheduling order in ``batch``/``serve`` and the eviction policy
+    in ``explain``: it keeps that meaning, is left out of ``--help``, and warns; a value of the
+    other kind is refused after the warning, which names both flags."""
+    args = build_parser().parse_args([*command, old, value])
+    assert getattr(args, new.removeprefix("--").replace("-", "_")) == value
+    err = capsys.readouterr().err
+    assert err == f"minirad {command[0]}: warning: {old} is deprecated: use {new}" + (
+        " (--radix-eviction-policy chooses the eviction policy)\n" if "schedule" in new else "\n"
+    )
+    assert old + " " not in subparser(command[0]).format_help()
+    if command[0] == "batch":
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([*command, old, "lru"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--radix-eviction-policy chooses the eviction policy" in err
+        assert "argument --policy: invalid choice: 'lru' (choose from 'fcfs', 'lpm')" in err
 
 
 @pytest.mark.parametrize("prompt", ["", "   "])
@@ -612,9 +684,10 @@ def test_a_pool_too_small_names_the_line_and_the_flag(tiny_dir, capsys):
     assert captured.err.endswith(f"; raise --num-kv-slots (now {n + 4})\n")
 
 
-def test_device_and_dtype_flags_reach_the_engine(tiny_dir, capsys, monkeypatch):
+def test_device_dtype_and_policy_flags_reach_the_engine(tiny_dir, capsys, monkeypatch):
     """``--device cpu --dtype bfloat16``: the engine the command builds (kept by a pass-through
-    around ``LLMEngine.from_pretrained``) runs in bf16, KV pool included, on the CPU."""
+    around ``LLMEngine.from_pretrained``) runs in bf16, KV pool included, on the CPU; and its
+    scheduler and tree take ``--schedule-policy`` and ``--radix-eviction-policy``."""
     from minirad.engine import LLMEngine
 
     root, _, _ = tiny_dir
@@ -628,11 +701,14 @@ def test_device_and_dtype_flags_reach_the_engine(tiny_dir, capsys, monkeypatch):
     monkeypatch.setattr(LLMEngine, "from_pretrained", classmethod(keep))
     jsonl = write_jsonl(root / "requests.jsonl", ROWS)
     argv = ["batch", str(jsonl), "--model", str(root / "model"), "--max-new-tokens", str(MAX_NEW)]
-    assert main(argv + ["--device", "cpu", "--dtype", "bfloat16"]) == 0
+    policies = ["--schedule-policy", "lpm", "--radix-eviction-policy", "fifo"]
+    assert main(argv + ["--device", "cpu", "--dtype", "bfloat16", *policies]) == 0
     assert capsys.readouterr().out.count("\n    -> ") == len(ROWS)
     (engine,) = built
     assert engine.device == torch.device("cpu") and engine.dtype == torch.bfloat16
     assert engine.kv_cache.k_cache.dtype == torch.bfloat16
+    assert engine.config.policy == "lpm" and engine.scheduler.schedule_policy.name == "lpm"
+    assert engine.tree_cache.eviction_policy.name == "fifo"
     for command in (["generate", "--prompt", "w10"], ["serve"]):
         args = build_parser().parse_args(command)
         assert (args.device, args.dtype) == ("cpu", "float32")  # the defaults
@@ -706,7 +782,7 @@ def test_explain_help_states_every_default_and_how_requests_are_numbered():
     explain = build_parser()._subparsers._group_actions[0].choices["explain"]
     text = " ".join(explain.format_help().split())
     for action in explain._actions:
-        if action.dest == "help":
+        if action.dest == "help" or action.help == argparse.SUPPRESS:  # the old --policy
             continue
         help_text = " ".join(explain._get_formatter()._expand_help(action).split())
         assert "default" in help_text, (action.dest, help_text)
@@ -718,14 +794,14 @@ def test_explain_help_states_every_default_and_how_requests_are_numbered():
 def test_serve_help_says_what_a_wildcard_host_exposes_and_a_bare_port_is_loopback():
     """``--help`` suggested ``tcp://*:5557``, which publishes every prompt's token ids on
     every interface. It now says what ``*`` exposes, and a bare port binds loopback."""
-    from minirad.entrypoints.cli import _kv_events_endpoint
+    from minirad.entrypoints.commands.serve import kv_events_endpoint
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     text = " ".join(serve.format_help().split())
     assert "every network interface" in text and "loopback" in text
-    assert _kv_events_endpoint("5557") == "tcp://127.0.0.1:5557"
-    assert _kv_events_endpoint("tcp://*:5557") == "tcp://*:5557"  # as written: the user chose it
-    assert _kv_events_endpoint(None) is None
+    assert kv_events_endpoint("5557") == "tcp://127.0.0.1:5557"
+    assert kv_events_endpoint("tcp://*:5557") == "tcp://*:5557"  # as written: the user chose it
+    assert kv_events_endpoint(None) is None
 
 
 # ---------------------------------------------------------------- structured output

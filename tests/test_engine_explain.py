@@ -47,7 +47,7 @@ def test_the_default_engine_explains_nothing_and_listens_to_nothing(model):
     engine = LLMEngine(model, None, num_kv_slots=64)
     (out,) = engine.generate([GenerateRequest(ids(0, 12), sampling_params=ONE)])
     assert out.miss_causes is None and out.stats.miss_causes is None
-    assert engine.explainer is None and engine.scheduler.explainer is None
+    assert engine.explainer is None and engine.scheduler.observers == ()
     assert not engine.bus.active  # no subscriber: events are not even built
     assert "miss_causes" not in repr(out.stats)
 
@@ -222,13 +222,15 @@ def test_a_reset_is_an_eviction_and_a_late_explainer_starts_from_the_tree(model)
     engine.generate([GenerateRequest(A, sampling_params=ONE)])
     explainer = engine.explain()
     assert engine.explain() is explainer  # one per engine
+    assert engine.scheduler.observers == (explainer,)  # the scheduler's public hook
     assert spans(one(engine, A, "again")) == [(0, 18, "hit"), (18, 20, "last_token")]
     engine.reset_prefix_cache()
     after = one(engine, A, "after")
     assert spans(after) == [(0, 20, "evicted")]
     assert after.miss_causes[0].detail["policy"] == "reset"
     explainer.close()
-    assert engine.scheduler.explainer is None
+    explainer.close()  # twice: nothing more to remove
+    assert engine.scheduler.observers == ()
     (out,) = engine.generate([GenerateRequest(A, sampling_params=ONE)])
     assert out.miss_causes is None
 
@@ -288,3 +290,17 @@ def test_minirad_serve_explains_a_request_that_asks(tmp_path):
             extra_body={"minirad_explain": True},
         ).usage.prompt_tokens_details.model_extra["miss_causes"]
         assert other[-1]["cause"] == "first_seen" and "seen_next" in other[-1]["detail"]
+
+
+def test_the_explainer_reads_the_scheduler_and_the_tree_through_their_public_api():
+    """Issue 44: the explainer set ``scheduler.explainer`` and called the private
+    ``_prefix_key``; it is now an observer (``Scheduler.add_observer``) and calls
+    ``prefix_key``. No ``scheduler._...`` or ``tree._...`` in its source."""
+    import re
+    from pathlib import Path
+
+    import minirad.engine.explain as explain
+
+    source = Path(explain.__file__).read_text(encoding="utf-8")
+    assert re.findall(r"\b(?:scheduler|tree|tree_cache)\.(_\w+)", source) == []
+    assert "add_observer(self)" in source

@@ -18,7 +18,7 @@ from minirad import InvalidArgumentError
 from minirad.bench.radix import replay
 from minirad.bench.trace import ChatTrace, TraceEvent, TraceRequest, make_chat_trace
 from minirad.kvcache.belady import belady
-from minirad.kvcache.eviction import POLICIES
+from minirad.kvcache.eviction import EVICTION_POLICIES
 
 
 def _trace(requests: list[tuple[list[int], list[int]]], order: list[tuple[str, int]]) -> ChatTrace:
@@ -170,7 +170,7 @@ def test_no_policy_beats_the_bound(case):
     assert result.hit_tokens <= result.bound_hit_tokens
     assert result.peak_used_tokens <= capacity
     if result.resupplied_tokens == 0:  # the condition under which the bound is proven
-        for policy in POLICIES:
+        for policy in EVICTION_POLICIES:
             run = replay(trace, capacity, page_size, policy)
             assert run.hit_tokens <= result.bound_hit_tokens, policy
 

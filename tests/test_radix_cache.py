@@ -844,9 +844,9 @@ def test_tlru_trims_a_conversation_by_threshold_minus_estimate_then_falls_back_t
 
 
 def test_policy_parameters_are_sglangs_config_keys_and_are_checked() -> None:
-    from minirad.kvcache.eviction import POLICIES, SLRUPolicy, TLRUPolicy, get_policy
+    from minirad.kvcache.eviction import EVICTION_POLICIES, SLRUPolicy, TLRUPolicy, get_policy
 
-    assert {"lru", "lfu", "fifo", "slru", "tlru", "priority"} <= set(POLICIES)
+    assert {"lru", "lfu", "fifo", "slru", "tlru", "priority"} <= set(EVICTION_POLICIES)
     assert get_policy("slru").protected_threshold == 2  # SGLang's default
     assert get_policy("slru", protected_threshold=4).protected_threshold == 4
     tlru = get_policy("tlru", threshold=4096, next_prompt_estimate=512)
@@ -882,7 +882,7 @@ def test_policies_evict_single_leaves_in_the_order_of_their_rule(seed: int) -> N
     what happened to each key, gives the eviction order."""
     import random
 
-    from minirad.kvcache.eviction import POLICIES, get_policy
+    from minirad.kvcache.eviction import EVICTION_POLICIES, get_policy
 
     threshold, estimate = 6, 2
     rng = random.Random(seed)
@@ -892,7 +892,7 @@ def test_policies_evict_single_leaves_in_the_order_of_their_rule(seed: int) -> N
         for _ in range(40)
     ]
     tlru = {"threshold": threshold, "next_prompt_estimate": estimate}
-    for name in POLICIES:
+    for name in EVICTION_POLICIES:
         cache = RadixCache(eviction_policy=get_policy(name, **(tlru if name == "tlru" else {})))
         rec: dict[int, dict] = {}  # key -> created, last, inserts, matches, priority
         for step, (op, k, prio) in enumerate(ops):

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minirad import (
-    POLICIES,
+    EVICTION_POLICIES,
     EventBus,
     RadixCache,
     Req,
@@ -426,5 +426,5 @@ def _test_case(page_size: int, policy: str):
 
 
 for _ps in PAGE_SIZES:
-    for _policy in POLICIES:
+    for _policy in EVICTION_POLICIES:
         globals()[f"TestRadixPage{_ps}{_policy.upper()}"] = _test_case(_ps, _policy)

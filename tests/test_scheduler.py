@@ -7,6 +7,7 @@ lets each test compare a constrained run with an unconstrained one.
 """
 
 import random
+from collections import deque
 
 import pytest
 
@@ -209,6 +210,95 @@ def test_preemption_recomputes_with_unchanged_output(page_size, strategy):
     for r in reqs:  # recompute work: prefill covers the prompt and the re-fed outputs
         assert r.stats.prefill_tokens + r.stats.cached_tokens >= r.num_prompt_tokens
     assert_idle(s)
+
+
+class Recorder:
+    """A SchedulerObserver that notes every call: (hook, rid, what the request has then)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _note(self, hook, request):
+        self.calls.append((hook, request.rid, request.num_computed_tokens))
+
+    def scheduling(self, request):
+        self._note("scheduling", request)
+
+    def matching(self, request):
+        self._note("matching", request)
+
+    def preempting(self, request):
+        self._note("preempting", request)
+
+    def admitted(self, request):
+        self._note("admitted", request)
+
+    def readmitted(self, request):
+        self._note("readmitted", request)
+
+
+def test_observers_are_told_of_matches_admissions_and_preemptions_until_removed():
+    """The scheduler's public hook (the miss explainer is one): every observer hears every
+    moment, in order; a removed one hears nothing more, and removing twice is harmless."""
+    prompts = shared_prompts(4, prefix_len=8, suffix_len=6, seed=2)
+    s = make_scheduler(num_slots=48)
+    first, second = Recorder(), Recorder()
+    remove = s.add_observer(first)
+    s.add_observer(second)
+    assert s.observers == (first, second)
+    reqs = [make_request(f"r{i}", p, max_new_tokens=12) for i, p in enumerate(prompts)]
+    for r in reqs:
+        s.add_request(r)
+    run_all(s)
+    assert first.calls == second.calls
+    hooks = [hook for hook, _, _ in first.calls]
+    assert hooks.count("admitted") == len(reqs)
+    assert hooks.count("preempting") == s.num_preemptions == hooks.count("readmitted") > 0
+    for r in reqs:  # matched, then admitted once; a preempted request still held its KV
+        mine = [(hook, n) for hook, rid, n in first.calls if rid == r.rid]
+        assert mine[0][0] == "matching" and [h for h, _ in mine].count("admitted") == 1
+        assert all(n > 0 for hook, n in mine if hook == "preempting")
+    remove()
+    remove()
+    assert s.observers == (second,)
+    s.add_request(make_request("late", prompts[0]))
+    run_all(s)
+    assert all(rid != "late" for _, rid, _ in first.calls)
+    assert any(rid == "late" for _, rid, _ in second.calls)
+    assert_idle(s)
+
+
+def test_the_schedule_policies_are_one_registry():
+    """SchedulerConfig accepts exactly the registry's names (SGLang's), and the scheduler
+    orders its queue with the registry's class; prefix_key is public (the explainer uses it)."""
+    from minirad.engine.schedule_policy import LPM_MAX_QUEUE, SCHEDULE_POLICIES, LPMPolicy
+
+    assert list(SCHEDULE_POLICIES) == ["fcfs", "lpm"]
+    for name, cls in SCHEDULE_POLICIES.items():
+        assert cls.name == name
+        assert isinstance(make_scheduler(policy=name).schedule_policy, cls)
+    with pytest.raises(InvalidArgumentError, match=r"one of \('fcfs', 'lpm'\)"):
+        SchedulerConfig(policy="random")
+    s = make_scheduler(page_size=4, prefix_strategy="truncate")
+    r = make_request("a", list(range(4, 14)))
+    assert s.prefix_key(r) == list(range(4, 13))  # all but the last token (no image)
+    # lpm sorts a short queue by cached length, stably; a long one keeps arrival order
+    queue = deque(make_request(f"q{i}", [4, 5 + i]) for i in range(4))
+    cached = {"q0": 1, "q1": 3, "q2": 3, "q3": 0}
+    ordered = LPMPolicy().order(queue, lambda q: cached[q.rid])
+    assert [q.rid for q in ordered] == ["q1", "q2", "q0", "q3"]
+    long = deque(make_request(f"l{i}", [4, 5]) for i in range(LPM_MAX_QUEUE + 1))
+    assert LPMPolicy().order(long, lambda q: int(q.rid[1:])) is long
+
+
+def test_the_old_registry_name_still_works_with_a_warning():
+    import minirad.engine.scheduler as scheduler
+    import minirad.kvcache.eviction as eviction
+
+    with pytest.warns(DeprecationWarning, match="SCHEDULE_POLICIES"):
+        assert scheduler.POLICIES == ("fcfs", "lpm")
+    with pytest.warns(DeprecationWarning, match="EVICTION_POLICIES"):
+        assert eviction.POLICIES is eviction.EVICTION_POLICIES
 
 
 def test_newest_running_request_is_preempted():

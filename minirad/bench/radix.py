@@ -22,7 +22,7 @@ from minirad.bench.trace import ChatTrace, TraceEvent, make_chat_trace
 from minirad.entrypoints.argtypes import positive_int
 from minirad.errors import InvalidArgumentError
 from minirad.kvcache.belady import OptimalResult, belady
-from minirad.kvcache.eviction import POLICIES, ClosedSessionLRUPolicy
+from minirad.kvcache.eviction import EVICTION_POLICIES, ClosedSessionLRUPolicy
 from minirad.kvcache.kv_pool import TokenToKVPoolAllocator
 from minirad.kvcache.radix_cache import RadixCache, Req
 
@@ -44,7 +44,7 @@ __all__ = [
 # told when a conversation closes (replay() does, when a conversation's last turn finishes).
 # Not "priority": the trace's requests carry no priority, so it would rank every leaf as lru.
 BENCH_POLICIES: tuple[str, ...] = (
-    *(name for name in POLICIES if name != "priority"),
+    *(name for name in EVICTION_POLICIES if name != "priority"),
     ClosedSessionLRUPolicy.name,
 )
 

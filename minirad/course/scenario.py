@@ -203,7 +203,7 @@ class ScenarioReplay:
         tokenizer: anything with ``encode(text, add_special_tokens=False)`` and
             ``decode(ids)``; the course tokenizer if None.
         eviction_policy: ``"lru"`` (the paper's), another name of
-            :data:`minirad.kvcache.eviction.POLICIES` or a policy object.
+            :data:`minirad.kvcache.eviction.EVICTION_POLICIES` or a policy object.
 
     The KV pool holds every token the scenario could ever need, so only the requests' own
     ``evict`` entries free memory. Attributes ``cache``, ``allocator`` and ``bus`` are live.

@@ -6,7 +6,8 @@
   torch-free: the CLI checks its flags with it before loading the engine).
 - :class:`InputProcessor` (``processing.py``): prompt + images -> ids, radix key, images.
 - :class:`Scheduler` (``scheduler.py``): continuous batching, chunked prefill, preemption,
-  prefix reuse through the radix cache, ``fcfs`` / ``lpm``.
+  prefix reuse through the radix cache; its policies (``schedule_policy.py``, torch-free:
+  :data:`SCHEDULE_POLICIES`, the waiting queue's order).
 - :class:`EncoderCache` (``encoder_cache.py``): image features by image hash.
 - :class:`ModelRunner` (``model_runner.py``): a scheduled step -> one forward pass.
 - :func:`sample` (``sampling.py``): greedy, temperature, top-k, top-p, seeded per request.
@@ -42,11 +43,13 @@ _EXPORTS: dict[str, str] = {
     "sample": "sampling",
     "sample_one": "sampling",
     "SamplingParams": "sampling_params",
-    "POLICIES": "scheduler",
-    "PREFIX_STRATEGIES": "scheduler",
+    "PREFIX_STRATEGIES": "schedule_policy",
+    "SCHEDULE_POLICIES": "schedule_policy",
+    "SchedulePolicy": "schedule_policy",
     "ScheduledRequest": "scheduler",
     "Scheduler": "scheduler",
     "SchedulerConfig": "scheduler",
+    "SchedulerObserver": "scheduler",
     "SchedulerOutput": "scheduler",
 }
 

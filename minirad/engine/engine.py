@@ -85,11 +85,15 @@ class EngineConfig:
         num_kv_slots: KV pool capacity in tokens (a multiple of ``page_size``).
         page_size: tokens per KV page (= the radix tree's page and the pool's block size).
         max_num_seqs, max_num_batched_tokens, policy, prefix_strategy,
-            in_batch_prefix_threshold: see :class:`~minirad.engine.SchedulerConfig`.
+            in_batch_prefix_threshold: see :class:`~minirad.engine.SchedulerConfig` (``policy``
+            is the scheduling order, a name in
+            :data:`~minirad.engine.schedule_policy.SCHEDULE_POLICIES`: SGLang's
+            ``--schedule-policy``).
         max_model_len: context length in tokens; None: the text model's
             ``max_position_embeddings``.
-        eviction_policy: the radix tree's (``"lru"``, ``"lfu"``, ``"fifo"``, ``"slru"``,
-            ``"tlru"``, ``"priority"``: :data:`minirad.kvcache.eviction.POLICIES`).
+        eviction_policy: which unlocked leaf the radix tree evicts first: a name in
+            :data:`minirad.kvcache.eviction.EVICTION_POLICIES` (SGLang's
+            ``--radix-eviction-policy``), or a policy object.
         encoder_cache_size: image-feature rows the encoder cache keeps.
         seed: seeds the engine's generator, which seeds sampling requests without a seed.
         kv_events_endpoint: publish the radix tree's full blocks as vLLM KV events

@@ -9,7 +9,7 @@ tokens an evicted node held), and the scheduler tells what the events cannot: th
 scheduled when something is evicted (it needed the room), what the tree held just before a
 request's match, the requests in flight, the preemptions.
 
-A request is labelled once, at its first admission (when ``Scheduler._count_prefix_hits`` sets
+A request is labelled once, at its first admission (when the scheduler has set
 ``RequestStats.cached_tokens``), with the causes of the trace replay plus the engine's own:
 
 - ``hit``, ``host``, ``storage``: served from the device, loaded back from the host pool, read
@@ -26,8 +26,9 @@ A request is labelled once, at its first admission (when ``Scheduler._count_pref
   pool"`` when the host dropped it, ``"reset"`` for ``reset_prefix_cache``), ``block_floor``,
   ``first_seen``: as in the replay (:data:`~minirad.kv_events.miss_causes.CAUSES`).
 
-Opt-in: ``EngineConfig(explain_misses=True)`` or :meth:`LLMEngine.explain`. Without it the
-scheduler checks one attribute for None per admission and nothing listens to the bus for it. A
+Opt-in: ``EngineConfig(explain_misses=True)`` or :meth:`LLMEngine.explain`. The explainer is
+a :class:`~minirad.engine.scheduler.SchedulerObserver` (:meth:`Scheduler.add_observer`); without
+it the scheduler loops over no observer and nothing listens to the bus for it. A
 failure inside the explainer never fails a request or the engine: it logs, stops explaining, and
 keeps the exception in :attr:`MissExplainer.error`.
 
@@ -158,7 +159,8 @@ class MissExplainer:
         self.scheduler = engine.scheduler
         self.tree = engine.tree_cache
         self.unit = engine.config.page_size
-        self.policy = str(engine.config.eviction_policy)
+        # The policy's registry name (EVICTION_POLICIES), as RadixCache resolved it.
+        self.policy = getattr(self.tree.eviction_policy, "name", str(self.tree.eviction_policy))
         self.vocab_size = engine.vocab_size
         self.history = PrefixHistory()
         self.mirror = EventTree()
@@ -169,15 +171,14 @@ class MissExplainer:
         self._computed: dict[str, int] = {}  # rid -> its tokens with KV when preempted
         self._seed()
         self._unsubscribe = engine.bus.subscribe(self._on_event)
-        self.scheduler.explainer = self
+        self._unobserve = self.scheduler.add_observer(self)
 
     def close(self) -> None:
         """Stop explaining (requests admitted from now on get no runs)."""
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self.scheduler.explainer is self:
-            self.scheduler.explainer = None
+        self._unobserve()
 
     def totals(self) -> dict[str, int]:
         """Prompt tokens per cause over every request labelled so far (zeros included)."""
@@ -255,7 +256,7 @@ class MissExplainer:
         extra_key = self._node(node_id).extra_key
         self.history.evicted(path, len(path) - num_tokens, len(path), why, extra_key)
 
-    # ------------------------------------------------------------------ the scheduler's hooks
+    # ------------------------------------------------------------------ SchedulerObserver
     def scheduling(self, request: Request) -> None:
         """A running request gets its tokens' slots: evictions now make room for it."""
         self.current = request.rid
@@ -330,7 +331,7 @@ class MissExplainer:
         # pages), they would be recomputed anyway.
         flying, who = self._in_flight(request, key)
         if flying > cached:
-            cap = min(len(self.scheduler._prefix_key(request)), n)
+            cap = min(len(self.scheduler.prefix_key(request)), n)
             cap = max(cap - cap % unit, cached)
             detail = {"by_request": who}
             runs = _relabel(runs, cached, min(flying, cap), "in_flight", lambda _: detail)

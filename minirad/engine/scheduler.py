@@ -16,8 +16,9 @@ One step of :meth:`Scheduler.schedule`:
    not enough, the newest running request is *preempted*: its computed KV goes into the tree
    (where it stays reusable until evicted) and it returns to the front of the waiting queue,
    to be recomputed later. Its output so far is kept, so the result does not change.
-2. If nothing was preempted, waiting requests are admitted (``fcfs``: arrival order;
-   ``lpm``: longest cached prefix first). Each is matched against the tree
+2. If nothing was preempted, waiting requests are admitted, in the order of the schedule
+   policy (:mod:`minirad.engine.schedule_policy`: ``fcfs``, arrival order; ``lpm``, longest
+   cached prefix first). Each is matched against the tree
    (``match_prefix_for_req``: locks the prefix, the ``len - 1`` rule) and needs slots only for
    the rest. A request whose prompt shares a not-yet-cached prefix with a request computed in
    this same step is deferred one step (SGLang's in-batch prefix caching): after this step the
@@ -26,36 +27,49 @@ One step of :meth:`Scheduler.schedule`:
 Prefix strategies (chapter 05 compares them): ``"radix"`` matches the whole key, whose image
 placeholders are per-image pad ids; ``"truncate"`` reuses only the text before the first
 image; ``"none"`` reuses nothing (the tree stays empty).
+
+Observers (:class:`SchedulerObserver`, :meth:`Scheduler.add_observer`) are told of each
+request the scheduler gives slots to, matches, preempts and admits: the engine's miss explainer
+(:mod:`minirad.engine.explain`) is one. With none, each such moment costs an empty loop.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from minirad.engine.request import Request, RequestStatus
+from minirad.engine.schedule_policy import PREFIX_STRATEGIES, SCHEDULE_POLICIES
 from minirad.errors import InvalidArgumentError, InvariantError, RequestError
 from minirad.kvcache.radix_cache import RadixCache
 
-if TYPE_CHECKING:
-    from minirad.engine.explain import MissExplainer
-
 __all__ = [
-    "POLICIES",
     "PREFIX_STRATEGIES",
+    "SCHEDULE_POLICIES",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerObserver",
     "SchedulerOutput",
 ]
 
-POLICIES = ("fcfs", "lpm")
-PREFIX_STRATEGIES = ("radix", "truncate", "none")
-# Above this many waiting requests, lpm falls back to fcfs: matching every waiting prompt
-# each step would cost more than it saves (SGLang's schedule_policy does the same at 128).
-LPM_MAX_QUEUE = 128
+
+def __getattr__(name: str) -> object:
+    """``POLICIES``: the scheduling policies' old name, deprecated (an eviction registry had
+    the same name)."""
+    if name == "POLICIES":
+        warnings.warn(
+            "minirad.engine.scheduler.POLICIES is deprecated: use SCHEDULE_POLICIES "
+            "(minirad.engine.schedule_policy)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return tuple(SCHEDULE_POLICIES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -67,8 +81,11 @@ class SchedulerConfig:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes); a
             prompt longer than what is left is cut into chunks (chunked prefill). None: no
             limit, every prompt in one piece.
-        policy: ``"fcfs"`` or ``"lpm"`` (longest prefix match first).
-        prefix_strategy: ``"radix"``, ``"truncate"`` or ``"none"`` (module docstring).
+        policy: the waiting queue's order, a name in
+            :data:`~minirad.engine.schedule_policy.SCHEDULE_POLICIES` (SGLang's
+            ``--schedule-policy``: ``"fcfs"``, ``"lpm"``).
+        prefix_strategy: one of :data:`~minirad.engine.schedule_policy.PREFIX_STRATEGIES`
+            (module docstring).
         in_batch_prefix_threshold: defer a waiting request when a request computed in this
             step would give it at least this many more cached tokens next step. None: off.
         max_model_len: the model's context, in tokens (prompt + output).
@@ -92,12 +109,44 @@ class SchedulerConfig:
         positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         positive("in_batch_prefix_threshold", self.in_batch_prefix_threshold, optional=True)
         positive("max_model_len", self.max_model_len)
-        if self.policy not in POLICIES:
-            raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in SCHEDULE_POLICIES:
+            raise InvalidArgumentError(
+                f"policy must be one of {tuple(SCHEDULE_POLICIES)}, got {self.policy!r}"
+            )
         if self.prefix_strategy not in PREFIX_STRATEGIES:
             raise InvalidArgumentError(
                 f"prefix_strategy must be one of {PREFIX_STRATEGIES}, got {self.prefix_strategy!r}"
             )
+
+
+class SchedulerObserver(Protocol):
+    """What the scheduler tells its observers (:meth:`Scheduler.add_observer`), on the engine's
+    thread, in the middle of :meth:`Scheduler.schedule`: an observer reads, never changes, the
+    scheduler's state."""
+
+    def scheduling(self, request: Request) -> None:
+        """A running request is about to get slots for its next tokens (evictions that follow
+        make room for it)."""
+        ...
+
+    def matching(self, request: Request) -> None:
+        """A waiting request is about to be matched against the tree (nothing loaded back or
+        evicted for it yet)."""
+        ...
+
+    def preempting(self, request: Request) -> None:
+        """A running request is about to lose its KV (it still holds it)."""
+        ...
+
+    def admitted(self, request: Request) -> None:
+        """A request was admitted for the first time, its prefix hits counted
+        (``request.stats.cached_tokens``)."""
+        ...
+
+    def readmitted(self, request: Request) -> None:
+        """A preempted request was admitted again, what it found again counted
+        (``request.stats.preempted_cached_tokens``)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -176,9 +225,25 @@ class Scheduler:
         self.num_preempted_cached_tokens = 0  # tokens readmitted requests found again
         self.cached_tokens_by_source: dict[str, int] = {}  # num_cached_tokens by tier
         self.tiers = getattr(tree_cache, "host_pool", None) is not None  # a HiRadixCache
-        # Why each request missed (LLMEngine.explain): told of matches, admissions and
-        # preemptions; None (the default) costs one check each.
-        self.explainer: MissExplainer | None = None
+        self.schedule_policy = SCHEDULE_POLICIES[self.config.policy]()
+        self._observers: tuple[SchedulerObserver, ...] = ()
+
+    # ------------------------------------------------------------------ observers
+    @property
+    def observers(self) -> tuple[SchedulerObserver, ...]:
+        """The observers told of this scheduler's decisions, in the order they were added."""
+        return self._observers
+
+    def add_observer(self, observer: SchedulerObserver) -> Callable[[], None]:
+        """Tell ``observer`` of every request this scheduler gives slots to, matches, preempts
+        and admits (:class:`SchedulerObserver`), until the returned function is called (once
+        or more: the later calls do nothing)."""
+        self._observers = (*self._observers, observer)
+
+        def remove() -> None:
+            self._observers = tuple(o for o in self._observers if o is not observer)
+
+        return remove
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -270,8 +335,8 @@ class Scheduler:
             if budget <= 0 or request.status is not RequestStatus.RUNNING:
                 break  # out of budget, or preempted below as a victim (so are all after it)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.explainer is not None:
-                self.explainer.scheduling(request)
+            for observer in self._observers:
+                observer.scheduling(request)
             if not self._allocate_or_preempt(request, n, out.preempted):
                 break
             self._add_scheduled(out, request, n, in_batch)
@@ -290,12 +355,11 @@ class Scheduler:
 
         if not can_admit():
             return
-        if cfg.policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
-            self._sort_waiting_by_prefix_match()
+        self.waiting = self.schedule_policy.order(self.waiting, self._cached_len)
         while can_admit():
             request = self.waiting.popleft()
-            if self.explainer is not None:
-                self.explainer.matching(request)
+            for observer in self._observers:
+                observer.matching(request)
             self.tree_cache.match_prefix_for_req(request, self._max_prefix_len(request))
             if in_batch is not None and self._shares_in_batch(request, in_batch):
                 self._release(request, insert=False)
@@ -320,8 +384,8 @@ class Scheduler:
         if request.stats.num_preemptions:
             request.stats.preempted_cached_tokens += found
             self.num_preempted_cached_tokens += found
-            if self.explainer is not None:
-                self.explainer.readmitted(request)
+            for observer in self._observers:
+                observer.readmitted(request)
             return
         # Prompt tokens only: a grammar's first forced run (outputs appended before admission,
         # Request.jump_forward) may be found in the tree too; it saves compute but is not a
@@ -335,8 +399,8 @@ class Scheduler:
         request.stats.cached_tokens_by_source = by_source
         for source, n in by_source.items():
             self.cached_tokens_by_source[source] = self.cached_tokens_by_source.get(source, 0) + n
-        if self.explainer is not None:
-            self.explainer.admitted(request)
+        for observer in self._observers:
+            observer.admitted(request)
 
     def _add_scheduled(
         self, out: SchedulerOutput, request: Request, n: int, in_batch: RadixCache | None
@@ -352,16 +416,13 @@ class Scheduler:
             in_batch.insert(request.fill_ids[:end])
 
     def _shares_in_batch(self, request: Request, in_batch: RadixCache) -> bool:
-        ahead = len(in_batch.match_prefix(self._prefix_key(request)).indices)
+        ahead = len(in_batch.match_prefix(self.prefix_key(request)).indices)
         return ahead - request.num_computed_tokens >= self.config.in_batch_prefix_threshold
 
-    def _sort_waiting_by_prefix_match(self) -> None:
-        """lpm: waiting requests with the longest cached prefix first (stable for ties)."""
-        match_len = {
-            r.rid: len(self.tree_cache.match_prefix(self._prefix_key(r)).indices)
-            for r in self.waiting
-        }
-        self.waiting = deque(sorted(self.waiting, key=lambda r: -match_len[r.rid]))
+    def _cached_len(self, request: Request) -> int:
+        """How many tokens of ``request``'s :meth:`prefix_key` the tree holds now (for the
+        schedule policy)."""
+        return len(self.tree_cache.match_prefix(self.prefix_key(request)).indices)
 
     # ------------------------------------------------------------------ prefix and KV
     def _max_prefix_len(self, request: Request) -> int | None:
@@ -374,8 +435,9 @@ class Scheduler:
             return request.segments[0].offset  # the text before the first image
         return None
 
-    def _prefix_key(self, request: Request) -> list[int]:
-        """The part of the request's key that may come from the cache."""
+    def prefix_key(self, request: Request) -> list[int]:
+        """The part of ``request``'s key that may come from the cache: every token but the
+        last (whose logits must be computed), cut by the prefix strategy."""
         fill = request.fill_ids
         cap = len(fill) - 1  # the last token is always computed: its logits are needed
         max_prefix_len = self._max_prefix_len(request)
@@ -417,8 +479,8 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        if self.explainer is not None:
-            self.explainer.preempting(request)
+        for observer in self._observers:
+            observer.preempting(request)
         self._release(request, insert=True)
         request.status = RequestStatus.PREEMPTED
         request.stats.num_preemptions += 1

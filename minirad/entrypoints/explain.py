@@ -1,4 +1,5 @@
-"""``minirad explain TRACE.jsonl``: why each request of a trace hit or missed the cache.
+"""``minirad explain TRACE.jsonl``: why each request of a trace hit or missed the cache (the
+command's work; its parser is :mod:`minirad.entrypoints.commands.explain`).
 
 Each line of the trace is ``{"prompt_token_ids": [...]}`` or ``{"messages": [...]}`` (OpenAI
 chat messages, images as ``image_url`` parts: data URLs or paths relative to the trace's
@@ -251,7 +252,7 @@ def _replay(args) -> tuple[list, object]:
         capacity=args.capacity,
         page_size=args.page_size,
         block_size=args.block_size,
-        policy=args.policy,
+        policy=args.radix_eviction_policy,
         vocab_size=vocab_size,
         min_hits=best.request_hit_tokens,
     )

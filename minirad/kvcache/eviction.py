@@ -25,7 +25,12 @@ SGLang's ``--radix-eviction-policy-config``) or to the classes.
 :class:`ClosedSessionLRUPolicy` (``lru-closed``) is reuse-aware: LRU, except that the tokens of
 conversations known to be over go first. It needs one fact from the caller, when a session
 closes (the client's last turn, or SGLang's ``close_session``), so it is not in
-:data:`POLICIES`; ``python -m minirad.bench radix`` runs it.
+:data:`EVICTION_POLICIES`; ``python -m minirad.bench radix`` runs it.
+
+:data:`EVICTION_POLICIES` is the one registry of the policies a name selects (SGLang's
+``--radix-eviction-policy``): :func:`get_policy`, the ``minirad`` command's choices and the
+docs' list come from it. To add a policy, write a class with a ``name`` and a ``priority`` and
+add it there.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,7 +50,7 @@ if TYPE_CHECKING:
     from minirad.kvcache.radix_cache import TreeNode
 
 __all__ = [
-    "POLICIES",
+    "EVICTION_POLICIES",
     "ClosedSessionLRUPolicy",
     "EvictionPolicy",
     "FIFOPolicy",
@@ -240,14 +246,28 @@ class ClosedSessionLRUPolicy:
         return (0 if node.value[-1] in self.closed else 1, node.last_access_time, node.id)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
     for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, SLRUPolicy, TLRUPolicy, PriorityPolicy)
 }
 
 
+def __getattr__(name: str) -> Any:
+    """``POLICIES``: :data:`EVICTION_POLICIES`' old name, deprecated (the scheduler's
+    registry had the same name)."""
+    if name == "POLICIES":
+        warnings.warn(
+            "minirad.kvcache.eviction.POLICIES is deprecated: use EVICTION_POLICIES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return EVICTION_POLICIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def get_policy(policy: str | EvictionPolicy, **params: Any) -> EvictionPolicy:
-    """A policy instance from its name (a key of :data:`POLICIES`) and parameters, or as given.
+    """A policy instance from its name (a key of :data:`EVICTION_POLICIES`) and parameters, or
+    as given.
 
     ``params`` are the policy's keyword arguments, named as in SGLang's
     ``--radix-eviction-policy-config``: ``get_policy("slru", protected_threshold=3)``,
@@ -266,10 +286,10 @@ def get_policy(policy: str | EvictionPolicy, **params: Any) -> EvictionPolicy:
             )
         return policy
     try:
-        cls = POLICIES[policy]
+        cls = EVICTION_POLICIES[policy]
     except KeyError:
         raise InvalidArgumentError(
-            f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}"
+            f"unknown eviction policy {policy!r}; choose one of {sorted(EVICTION_POLICIES)}"
         ) from None
     takes = list(inspect.signature(cls).parameters)
     unknown = sorted(set(params) - set(takes))
