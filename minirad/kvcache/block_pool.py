@@ -7,8 +7,12 @@ scheduler-facing manager on top of them is in ``kv_cache_manager.py``.
 The radix tree (``radix_cache.py``) shares at token granularity; this cache shares only whole
 blocks whose entire prefix is identical, which chapter 02 compares.
 
-Simplifications, on purpose: one KV-cache group (full attention) and no null block (block ids
-start at 0; vLLM's pool of ``N`` blocks holds ``N - 1`` usable ones).
+Simplifications, on purpose: by default one KV-cache group (full attention) and no null block
+(block ids start at 0; vLLM's pool of ``N`` blocks holds ``N - 1`` usable ones). A hybrid model's
+manager (``kv_cache_coordinator.py``) asks for the null block (``use_null_block=True``): block 0
+then stands for "no KV here" in block tables (a sliding window's skipped blocks) and is never
+allocated, freed, cached or evicted; its cached-block table is keyed by
+:func:`make_block_hash_with_group_id`, one entry per KV-cache group.
 
 Like vLLM (``BlockHashToBlockMap``), the hash table does not de-duplicate: a block that becomes
 full with a hash another block already holds is registered too (a request that recomputes a
@@ -40,14 +44,18 @@ from minirad.events import (
 
 __all__ = [
     "BlockHash",
+    "BlockHashWithGroupId",
     "BlockPool",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
+    "get_group_id",
     "hash_block_tokens",
+    "make_block_hash_with_group_id",
     "none_hash",
 ]
 
 BlockHash = bytes  # a SHA-256 digest
+BlockHashWithGroupId = bytes  # a BlockHash, then its KV-cache group id in 4 bytes
 
 
 def none_hash(seed: int | str = 0) -> BlockHash:
@@ -71,16 +79,30 @@ def hash_block_tokens(
     return hashlib.sha256(pickle.dumps(payload, protocol=4)).digest()
 
 
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    """The cached-block table's key for one KV-cache group: the same tokens are cached, found
+    and evicted per group (a sliding-window group may have dropped a block that the
+    full-attention group keeps). A byte string, as vLLM's ``BlockHashWithGroupId`` is."""
+    return block_hash + group_id.to_bytes(4, "big")
+
+
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    """The group id inside a key made by :func:`make_block_hash_with_group_id`."""
+    return int.from_bytes(key[-4:], "big")
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """One block of the physical KV tensor, with its reference count and (when full and
-    committed) its hash. ``prev_free_block`` / ``next_free_block`` belong to the free queue."""
+    committed) its hash. ``prev_free_block`` / ``next_free_block`` belong to the free queue;
+    ``is_null`` marks a pool's null block (see :class:`BlockPool`)."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
+    is_null: bool = False
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -160,27 +182,47 @@ class BlockPool:
         num_blocks: capacity in blocks.
         enable_caching: keep freed full blocks findable by hash until reused.
         bus: event bus (a private one if None).
+        use_null_block: keep block 0 aside as ``null_block`` (vLLM's): a placeholder for
+            positions a block table holds no KV for. It is never handed out, its ``ref_cnt``
+            stays 0, ``touch`` and ``free_blocks`` pass over it, and it is never cached; the
+            pool then holds ``num_blocks - 1`` usable blocks.
     """
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, bus: EventBus | None = None
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        bus: EventBus | None = None,
+        *,
+        use_null_block: bool = False,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise InvalidArgumentError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if use_null_block and num_blocks < 2:
+            raise InvalidArgumentError("a pool with a null block needs 2 or more blocks, got 1")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.bus = bus if bus is not None else EventBus()
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.null_block: KVCacheBlock | None = None
+        if use_null_block:
+            self.null_block = self.free_block_queue.popleft()
+            self.null_block.is_null = True
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can hold KV: all but the null block."""
+        return self.num_blocks - (self.null_block is not None)
 
     def get_num_free_blocks(self) -> int:
         """Blocks with ``ref_cnt == 0`` (cached or not)."""
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        """Fraction of blocks held by requests."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        """Fraction of usable blocks held by requests."""
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The oldest block registered under ``block_hash``, or None. Changes nothing."""
@@ -222,12 +264,14 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix hit reuses ``blocks``: take free ones out of the free queue (so they
-        cannot be evicted while in use) and add one reference to each.
+        cannot be evicted while in use) and add one reference to each (the null block is
+        passed over).
 
         Raises:
             UnknownBlockError: a block belongs to another pool; nothing changes.
         """
         self._check_own(blocks)
+        blocks = [b for b in blocks if not b.is_null]
         self.bus.tick()
         for b in blocks:
             if b.ref_cnt == 0:
@@ -248,13 +292,14 @@ class BlockPool:
 
         ``ordered_blocks`` is in eviction order (first = evict first). Uncached blocks go to
         the *front* (their memory is worthless, reuse it first); cached blocks go to the back,
-        which is what makes the queue LRU (vLLM PR #42656).
+        which is what makes the queue LRU (vLLM PR #42656). The null block is passed over.
 
         Raises:
             UnknownBlockError: a block would drop below zero references (a double free), or
                 belongs to another pool; nothing changes.
         """
         self._check_own(ordered_blocks)
+        ordered_blocks = [b for b in ordered_blocks if not b.is_null]
         counts = Counter(b.block_id for b in ordered_blocks)
         for b in ordered_blocks:
             if b.ref_cnt < counts[b.block_id]:
@@ -286,13 +331,14 @@ class BlockPool:
 
         A block that already carries a hash (it came from a prefix hit) is left alone; a hash
         that another block holds gets this block as one more copy (see the module docstring).
+        The null block is never cached.
         """
         if not self.enable_caching:
             return
         self.bus.tick()
         stored = []
         for b, h in zip(blocks, block_hashes, strict=True):
-            if b.block_hash is not None:
+            if b.block_hash is not None or b.is_null:
                 continue
             b.block_hash = h
             self.cached_block_hash_to_block.setdefault(h, {})[b.block_id] = b
@@ -309,7 +355,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only allowed when no block is in use. Returns success."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         for b in self.blocks:
             b.block_hash = None
@@ -321,8 +367,8 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise :class:`~minirad.errors.InvariantError` if the bookkeeping is inconsistent:
-        a block both free and referenced, a queue count that is off, or a hash table entry that
-        does not point back to its block."""
+        a block both free and referenced, a queue count that is off, a hash table entry that
+        does not point back to its block, or a null block that is free, referenced or cached."""
         free = self.free_block_queue.get_all_free_blocks()
         if len(free) != self.free_block_queue.num_free_blocks:
             raise InvariantError("free-queue length differs from num_free_blocks")
@@ -330,7 +376,15 @@ class BlockPool:
             raise InvariantError("a block is in the free queue twice")
         free_ids = {b.block_id for b in free}
         table = self.cached_block_hash_to_block
+        null = self.null_block
+        if null is not None:
+            if null.block_id in free_ids or null.ref_cnt != 0 or null.block_hash is not None:
+                raise InvariantError(f"null block {null!r} is free, referenced or cached")
         for b in self.blocks:
+            if b.is_null is not (b is null):
+                raise InvariantError(f"block {b.block_id}: is_null is {b.is_null}")
+            if b is null:
+                continue
             if (b.block_id in free_ids) != (b.ref_cnt == 0):
                 raise InvariantError(f"block {b.block_id}: ref_cnt {b.ref_cnt} vs free queue")
             if b.block_hash is not None and table.get(b.block_hash, {}).get(b.block_id) is not b:
