@@ -67,6 +67,7 @@ SLOW_FIRST = (
     "tests/test_sglang_cache.py",
     "tests/test_bench_structured.py",
     "tests/test_vllm_parity.py",
+    "tests/test_vllm_hybrid.py",
     "tests/test_bench_engine.py",
     "tests/test_bench_sglang.py",
     "tests/test_serve_hostile.py",
