@@ -222,3 +222,149 @@ def bytes_per_token(model) -> int:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+
+
+GEMMA3_WINDOW = 16
+
+
+def gemma3_text_config(**overrides):
+    """A 6-layer Gemma 3 text config (5 sliding-window layers, then 1 full-attention layer, as
+    Gemma 3 alternates them), window :data:`GEMMA3_WINDOW`, head_dim 32, 2 query heads and 1
+    KV head (GQA), ``query_pre_attn_scalar`` apart from head_dim (so the softmax scale is
+    checked), linear RoPE scaling on the global layers (HF's 4B+ checkpoints scale so) and a
+    final logit softcap."""
+    from transformers import Gemma3TextConfig
+
+    kw = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=GEMMA3_WINDOW,
+        max_position_embeddings=512,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        },
+        final_logit_softcapping=30.0,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=True,
+    )
+    kw.update(overrides)
+    return Gemma3TextConfig(**kw)
+
+
+def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A ``Gemma3ForCausalLM`` of :func:`gemma3_text_config`, perturbed as the VLMs are (HF's
+    RMSNorm weights start at 0 and scale by ``1 + w``, so the noise makes ``1 + w`` differ
+    from 1), then the q/k norms and the norms after attention and MLP raised by 2 (scales
+    near 3): with scales near 1 the tied, scaled embedding dominates the residual stream and
+    greedy decoding repeats its last token; sharper attention and louder layers make it move
+    (and make ``1 + w`` far from ``w``). SDPA attention, as HF picks by default on a CPU."""
+    from transformers import Gemma3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = _finish(Gemma3ForCausalLM(gemma3_text_config(**overrides)), seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
+                layer.post_attention_layernorm,
+                layer.post_feedforward_layernorm,
+            ):
+                norm.weight.add_(2.0)
+    return model.to(dtype)
+
+
+def gemma4_text_config(**overrides):
+    """A Gemma 4 text config of :func:`gemma3_text_config`'s geometry (5 sliding layers of
+    window :data:`GEMMA3_WINDOW`, then a full one; head_dim 32, 2 query heads, 1 KV head),
+    dense: no per-layer input embeddings, KV sharing or experts. The full layer's head size
+    is the sliding layers' (``global_head_dim``; pass another to give it its own) and its
+    RoPE HF's default for Gemma 4: proportional, a quarter of each head rotating."""
+    from transformers import Gemma4TextConfig
+
+    kw = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=32,
+        sliding_window=GEMMA3_WINDOW,
+        hidden_size_per_layer_input=0,
+        max_position_embeddings=512,
+        final_logit_softcapping=30.0,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=True,
+    )
+    kw.update(overrides)
+    return Gemma4TextConfig(**kw)
+
+
+def tiny_gemma4(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A ``Gemma4ForCausalLM`` of :func:`gemma4_text_config`, perturbed as the VLMs are (its
+    norms scale by ``w``, 1 at init), then the norms after attention and MLP raised by 1
+    (scales near 2: louder layers, so greedy decoding moves) and each layer's
+    ``layer_scalar`` (a buffer, 1 at init) drawn from 0.5 .. 1.5 so that it counts. The q/k
+    norms stay near 1: Gemma 4's softmax scale is 1, so scores are sharp already, and sharper
+    ones make the model so sensitive that HF's one pass and its cached decode differ by 2e-3
+    in fp32 (near 1: 5e-5)."""
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = _finish(Gemma4ForCausalLM(gemma4_text_config(**overrides)), seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight.add_(1.0)
+            layer.post_feedforward_layernorm.weight.add_(1.0)
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=g))
+    return model.to(dtype)
+
+
+def tiny_llava_gemma3(seed: int = 0, **text_overrides) -> PreTrainedModel:
+    """LLaVA (the CLIP tower and projector of :func:`tiny_llava`) around the text model of
+    :func:`gemma3_text_config`, its norms raised as in :func:`tiny_gemma3`. The text config
+    sets a final logit softcap, which HF's LLaVA head does not apply."""
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        projection_dim=32,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=gemma3_text_config(**text_overrides),
+        image_token_index=IMAGE_TOKEN_ID,
+        image_seq_length=LLAVA_IMAGE_TOKENS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = _finish(LlavaForConditionalGeneration(cfg), seed)
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            for norm in (
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
+                layer.post_attention_layernorm,
+                layer.post_feedforward_layernorm,
+            ):
+                norm.weight.add_(2.0)
+    return model

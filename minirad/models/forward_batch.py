@@ -18,6 +18,16 @@ ones come from ``TokenToKVPoolAllocator.alloc`` (together: ``Req.kv_indices``, S
 ``req_to_token`` row); with vLLM's block pool, expand the block table with
 :func:`minirad.kvcache.kv_pool.slot_mapping` (or
 :func:`minirad.models.paged_attention.block_table_to_kv_slots`).
+
+A hybrid model (Gemma 3: sliding-window layers beside full-attention ones) may keep its layers
+in several *KV groups*, each with its own slot space: the sliding layers keep only a window of
+recent tokens, so an engine gives them slots of their own that it can free as the window moves
+on (vLLM's KV-cache groups, one block table per group in one block pool; SGLang's separate SWA
+pool). A batch then carries one ``slot_mapping`` and one ``kv_slots`` per group, all
+positional: entry ``j`` of a sequence's row is the slot of its token at position ``j`` in that
+group's space (for a windowed group, entries before the window are never read and may hold
+anything). Group 0 is the batch's own ``slot_mapping`` / ``kv_slots``; a model with one group
+(every Llama) never sees the others.
 """
 
 from __future__ import annotations
@@ -30,7 +40,21 @@ import torch
 
 from minirad.errors import ImageError, InvalidArgumentError
 
-__all__ = ["ForwardBatch"]
+__all__ = ["ForwardBatch", "KVGroupSlots"]
+
+
+@dataclass(frozen=True)
+class KVGroupSlots:
+    """The slots of one KV group in a batch (see the module docstring).
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, where each new token's K/V go in this group's layers.
+        kv_slots: ``[B, max_seq_len]`` int64, the group's slot of every context position per
+            sequence, padded with slot 0.
+    """
+
+    slot_mapping: torch.Tensor
+    kv_slots: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,9 @@ class ForwardBatch:
             the tokens at ``mm_token_indices`` (:meth:`minirad.models.PagedVLM.embed`).
         mm_token_indices: optional ``[n]`` int64, rows of the ``T`` tokens that take
             ``mm_features``, in order.
+        extra_kv_groups: the slots of KV groups 1, 2, ... of a model that keeps its layers in
+            several slot spaces (group 0's are ``slot_mapping`` and ``kv_slots``); empty for
+            one group. :meth:`kv_group` reads any of them.
     """
 
     input_ids: torch.Tensor
@@ -67,6 +94,7 @@ class ForwardBatch:
     max_query_len: int
     mm_features: torch.Tensor | None = None
     mm_token_indices: torch.Tensor | None = None
+    extra_kv_groups: tuple[KVGroupSlots, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +103,25 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def num_kv_groups(self) -> int:
+        """How many KV groups (slot spaces) the batch carries slots for."""
+        return 1 + len(self.extra_kv_groups)
+
+    def kv_group(self, group: int) -> KVGroupSlots:
+        """The slots of KV group ``group`` (0: the batch's own ``slot_mapping``, ``kv_slots``).
+
+        Raises:
+            InvalidArgumentError: the batch carries no such group.
+        """
+        if group == 0:
+            return KVGroupSlots(self.slot_mapping, self.kv_slots)
+        if not 0 < group < self.num_kv_groups:
+            raise InvalidArgumentError(
+                f"KV group {group} asked of a batch with {self.num_kv_groups} KV group(s)"
+            )
+        return self.extra_kv_groups[group - 1]
 
     @classmethod
     def build(
@@ -86,6 +133,7 @@ class ForwardBatch:
         mm_token_indices: Sequence[int] | None = None,
         all_logits: bool = False,
         device: str | torch.device = "cpu",
+        extra_kv_slots: Sequence[Sequence[Sequence[int]]] = (),
     ) -> ForwardBatch:
         """Build a batch from per-sequence Python lists.
 
@@ -102,14 +150,20 @@ class ForwardBatch:
             all_logits: compute logits for every token (parity tests, scoring) instead of the
                 last token of each sequence (sampling).
             device: where the tensors go.
+            extra_kv_slots: per further KV group (groups 1, 2, ...), per sequence, the slot
+                of every context position in that group's space, as ``kv_slots`` holds
+                group 0's: the same lengths, and the last ``len(token_ids[b])`` receive the
+                new K/V. A windowed group's entries before the window may be anything.
 
         Raises:
             InvalidArgumentError: the lists disagree in length, a sequence has no new token,
                 or its context is shorter than its new tokens; only one of ``mm_features``
-                and ``mm_token_indices``, or an index outside the batch.
+                and ``mm_token_indices``, or an index outside the batch; a group's rows
+                differ in number or length from ``kv_slots``.
             ImageError: the feature rows and the indices differ in number.
         """
         _check_inputs(token_ids, kv_slots, mm_features, mm_token_indices)
+        _check_groups(kv_slots, extra_kv_slots)
         query_lens = [len(t) for t in token_ids]
         seq_lens = [len(s) for s in kv_slots]
         ids, positions, slots, logits_indices = [], [], [], []
@@ -123,6 +177,10 @@ class ForwardBatch:
         def t(x: Sequence[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
+        def group(rows: Sequence[Sequence[int]]) -> KVGroupSlots:
+            new = [s for row, q in zip(rows, query_lens, strict=True) for s in row[len(row) - q :]]
+            return KVGroupSlots(t(new), _padded(rows, max(seq_lens)).to(device))
+
         return cls(
             input_ids=t(ids),
             positions=t(positions),
@@ -134,6 +192,7 @@ class ForwardBatch:
             max_query_len=max(query_lens),
             mm_features=None if mm_features is None else mm_features.to(device),
             mm_token_indices=None if mm_token_indices is None else t(mm_token_indices),
+            extra_kv_groups=tuple(group(rows) for rows in extra_kv_slots),
         )
 
 
@@ -166,6 +225,19 @@ def _check_inputs(
         num_tokens = sum(len(t) for t in token_ids)
         if not all(0 <= r < num_tokens for r in mm_token_indices):
             raise InvalidArgumentError(f"mm_token_indices must be in 0..{num_tokens - 1}")
+
+
+def _check_groups(
+    kv_slots: Sequence[Sequence[int]], extra_kv_slots: Sequence[Sequence[Sequence[int]]]
+) -> None:
+    """Each further group has a row per sequence, as long as its ``kv_slots`` row."""
+    lens = [len(row) for row in kv_slots]
+    for g, rows in enumerate(extra_kv_slots, start=1):
+        if [len(row) for row in rows] != lens:
+            raise InvalidArgumentError(
+                f"KV group {g}: rows of lengths {[len(row) for row in rows]}, but the "
+                f"sequences' contexts are {lens} long (one slot per position in every group)"
+            )
 
 
 def _padded(kv_slots: Sequence[Sequence[int]], width: int) -> torch.Tensor:

@@ -21,14 +21,23 @@ FlashInfer) does without materialising the padded copy. On a CPU, one batched SD
 instead of a Python loop over sequences is what keeps a decode step cheap: per-op overhead, not
 FLOPs, dominates at this size.
 
-The index tensors (:class:`AttentionMetadata`) depend only on the batch, not on the layer, so
-they are built once per forward and shared by every layer.
+The index tensors (:class:`AttentionMetadata`) depend only on the batch and on the layer's
+kind of attention (its sliding window, if any, and the KV group whose slots it reads), so they
+are built once per forward for each kind and shared by every layer of that kind.
 
 A decode batch whose sequences begin with the same slots (the radix tree hands every request
 that shares a prefix the very same slots) attends to that prefix once for all of them
 (:mod:`minirad.models.cascade_attention`): the prefix's K/V are gathered once instead of
 once per sequence, and the two partial softmaxes are merged by their log-sum-exps, as
 FlashInfer's cascade attention and Hydragen do on a GPU.
+
+A sliding-window layer (Gemma 3's local layers; window ``W``, HF's count) lets the query at
+position ``p`` see keys ``p - W + 1 .. p`` only. Its metadata (``sliding_window`` in
+:meth:`AttentionMetadata.build` and :func:`split_batch`) gathers each sequence from the first
+key its first new query sees, so a decode reads at most ``W`` keys however long the sequence,
+and the slots of earlier positions are never read: an engine may free them, or point them at
+a null block of garbage. Its padding reads the sequence's newest key (written this step), so it
+never touches a slot that may have been dropped either.
 
 The engine splits a step that mixes decodes and prefills in two such calls
 (:func:`split_batch`, :func:`varlen_paged_attention`): one for its decodes, one for its prefills.
@@ -79,6 +88,9 @@ class AttentionMetadata:
             ``query_index``.
         shared_prefix: for a decode batch, the prefix its sequences share
             (:meth:`~minirad.models.cascade_attention.SharedPrefix.find`), else None.
+        sliding_window: the window ``W`` these tensors were built for, or None (full
+            attention). With a window, ``kv_slots`` holds each sequence's window only (see
+            :func:`_window`) and the mask hides keys older than ``W - 1`` positions.
     """
 
     slot_mapping: torch.Tensor
@@ -87,6 +99,7 @@ class AttentionMetadata:
     query_index: torch.Tensor | None
     output_index: torch.Tensor | None
     shared_prefix: SharedPrefix | None = None
+    sliding_window: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -105,6 +118,7 @@ class AttentionMetadata:
         query_lens: torch.Tensor,
         max_query_len: int,
         kv_row_bytes: int | None = None,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """Index tensors for a batch.
 
@@ -118,11 +132,17 @@ class AttentionMetadata:
             kv_row_bytes: bytes of one context token's K and V in one layer: with it, a
                 decode batch whose sequences share a long enough prefix attends to it once
                 (:meth:`~minirad.models.cascade_attention.SharedPrefix.find`); None: never.
+            sliding_window: ``W`` for a sliding-window layer: query ``p`` sees keys
+                ``p - W + 1 .. p``, and ``kv_slots`` entries of older positions are never read
+                (any value will do); None: full attention. A window turns the cascade off:
+                each decode reads at most ``W`` keys anyway, and sequences of different
+                lengths see different parts of a shared prefix.
 
         Raises:
-            InvalidArgumentError: the shapes disagree. (Values are not checked here: that
-                would cost a device sync per step; :class:`~minirad.models.ForwardBatch`
-                checks them when it builds a batch from Python lists.)
+            InvalidArgumentError: the shapes disagree, or the window is not a positive int.
+                (Values are not checked here: that would cost a device sync per step;
+                :class:`~minirad.models.ForwardBatch` checks them when it builds a batch from
+                Python lists.)
         """
         B, S = kv_slots.shape
         T = slot_mapping.shape[0]
@@ -135,6 +155,11 @@ class AttentionMetadata:
             raise InvalidArgumentError(
                 f"{T} tokens cannot come from {B} sequences of 1..{max_query_len} new tokens"
             )
+        if sliding_window is not None:
+            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+                raise InvalidArgumentError(f"sliding_window must be an int, got {sliding_window!r}")
+            if sliding_window <= 0:
+                raise InvalidArgumentError(f"sliding_window must be positive, got {sliding_window}")
         dev = kv_slots.device
         rows = torch.arange(max_query_len, device=dev)
         # Context index of each padded query row. The causal mask "key <= q_pos" also hides
@@ -142,7 +167,10 @@ class AttentionMetadata:
         # past it. A padding row (i >= query_lens[b]) keeps at least key 0, so SDPA returns no
         # NaN for it; its output is dropped.
         q_pos = (seq_lens - query_lens)[:, None] + rows[None, :]  # [B, Q]
-        mask = torch.arange(S, device=dev)[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
+        if sliding_window is None:
+            mask = torch.arange(S, device=dev)[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
+        else:
+            kv_slots, mask = _window(kv_slots, seq_lens, q_pos, max_query_len, sliding_window)
         query_index = output_index = None
         if T != B * max_query_len:  # ragged: gather queries into padded rows and back
             valid = rows[None, :] < query_lens[:, None]  # [B, Q]
@@ -150,9 +178,57 @@ class AttentionMetadata:
             query_index = torch.where(valid, starts[:, None] + rows[None, :], 0)
             # Row-major order of the valid cells is token order (sequence after sequence).
             output_index = torch.arange(B * max_query_len, device=dev)[valid.flatten()]
-        cascade = kv_row_bytes is not None and max_query_len == 1
+        cascade = kv_row_bytes is not None and max_query_len == 1 and sliding_window is None
         shared = SharedPrefix.find(kv_slots, seq_lens, kv_row_bytes) if cascade else None
-        return cls(slot_mapping, kv_slots, mask.unsqueeze(1), query_index, output_index, shared)
+        return cls(
+            slot_mapping,
+            kv_slots,
+            mask.unsqueeze(1),
+            query_index,
+            output_index,
+            shared,
+            sliding_window,
+        )
+
+
+def _window(
+    kv_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_pos: torch.Tensor,
+    max_query_len: int,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The part of each ``kv_slots`` row a sliding-window layer reads, and its mask.
+
+    Sequence ``b``'s first new query sits at ``seq_lens[b] - query_lens[b]`` and sees keys from
+    ``first = max(0, that - W + 1)`` on; later queries see later keys, so the gather starts at
+    ``first`` and ends at the newest key: ``min(seq_len, query_len + W - 1)`` keys, at most
+    ``W`` for a decode. Rows are padded to ``min(S, max_query_len + W - 1)`` with the slot of
+    the sequence's newest key (written this step, so finite), never with an older slot.
+
+    Args:
+        kv_slots: ``[B, S]``, the full rows (entries before ``first`` are not read).
+        seq_lens: ``[B]``.
+        q_pos: ``[B, Q]``, the position of each padded query row (padding rows run past the
+            sequence's end).
+        max_query_len: ``Q``.
+        window: ``W``.
+
+    Returns:
+        ``[B, width]`` slots and the ``[B, Q, width]`` mask: key position ``k`` is visible to
+        query position ``p`` iff ``p - W < k <= p``. A padding query row is masked as the
+        sequence's last query, so it keeps at least one key (SDPA gives no NaN for it).
+    """
+    B, S = kv_slots.shape
+    width = min(S, max_query_len + window - 1)
+    last = (seq_lens - 1)[:, None]  # [B, 1], the newest key's position
+    first = (q_pos[:, :1] - (window - 1)).clamp(min=0)  # [B, 1]
+    k_pos = first + torch.arange(width, device=kv_slots.device)[None, :]  # [B, width]
+    real = k_pos <= last
+    slots = kv_slots.gather(1, torch.where(real, k_pos, last))
+    q = torch.minimum(q_pos, last)[:, :, None]  # [B, Q, 1]
+    k = k_pos[:, None, :]  # [B, 1, width]
+    return slots, (k <= q) & (k > q - window)  # k <= q <= last: padding keys are hidden too
 
 
 def paged_attention(
@@ -231,13 +307,16 @@ def split_batch(
     query_lens: torch.Tensor,
     kv_row_bytes: int | None = None,
     cascade: bool = True,
+    sliding_window: int | None = None,
 ) -> list[AttentionGroup]:
     """Split a batch (arguments as in :meth:`AttentionMetadata.build`) in attention groups:
     the sequences with one new token (decodes), padded only to their longest context, apart
     from those with more, padded among themselves. A batch of one kind stays one group, except
     that with ``kv_row_bytes`` the decodes are cut into groups whose gathered contexts fit in
     :data:`ATTENTION_CHUNK_BYTES` (:func:`_decode_chunks`), and ``cascade`` lets each decode
-    group attend to a shared prefix once.
+    group attend to a shared prefix once. The groups are for layers with ``sliding_window``
+    (None: full attention); a decode of a windowed layer gathers at most ``W`` keys, and its
+    groups are cut by that.
 
     Raises:
         InvalidArgumentError: the batch is empty, or the shapes disagree (see
@@ -248,11 +327,19 @@ def split_batch(
         raise InvalidArgumentError("an empty batch has nothing to attend")
     cascade_bytes = kv_row_bytes if cascade else None
     s_lens, dev = seq_lens.tolist(), kv_slots.device
+    # Keys a decode gathers: its whole context, or its window.
+    read = s_lens if sliding_window is None else [min(n, sliding_window) for n in s_lens]
     is_decode = [q == 1 for q in q_lens]
     one_kind = all(is_decode) or not any(is_decode)
-    if one_kind and (not is_decode[0] or len(_decode_chunks(s_lens, kv_row_bytes)) == 1):
+    if one_kind and (not is_decode[0] or len(_decode_chunks(read, kv_row_bytes)) == 1):
         meta = AttentionMetadata.build(
-            slot_mapping, kv_slots, seq_lens, query_lens, max(q_lens), cascade_bytes
+            slot_mapping,
+            kv_slots,
+            seq_lens,
+            query_lens,
+            max(q_lens),
+            cascade_bytes,
+            sliding_window,
         )
         return [AttentionGroup(slice(0, slot_mapping.shape[0]), meta)]
     if seq_lens.shape != query_lens.shape or sum(q_lens) != slot_mapping.shape[0]:
@@ -278,7 +365,7 @@ def split_batch(
             lens, qs = seq_lens.index_select(0, index), query_lens.index_select(0, index)
         width, max_q = max(s_lens[b] for b in seqs), max(q_lens[b] for b in seqs)
         meta = AttentionMetadata.build(
-            slot_mapping[rows], kv[:, :width], lens, qs, max_q, cascade_bytes
+            slot_mapping[rows], kv[:, :width], lens, qs, max_q, cascade_bytes, sliding_window
         )
         return AttentionGroup(rows, meta)
 
@@ -286,7 +373,7 @@ def split_batch(
     # The kinds in the order of their first rows (decodes first if row 0 decodes).
     for decode in sorted(set(is_decode), key=is_decode.index):
         seqs = [b for b, d in enumerate(is_decode) if d == decode]
-        lens = [s_lens[b] for b in seqs]
+        lens = [read[b] for b in seqs]
         for chunk in _decode_chunks(lens, kv_row_bytes) if decode else [range(len(seqs))]:
             groups.append(group([seqs[i] for i in chunk]))
     return groups
@@ -320,7 +407,9 @@ def varlen_paged_attention(
 ) -> torch.Tensor:
     """:func:`paged_attention` over a batch split by :func:`split_batch`, one call per group
     (shapes as there). The groups hold different sequences, so each stores its own tokens'
-    K/V just before it reads: no group reads a slot that another one writes."""
+    K/V just before it reads: no group reads a slot that another one writes. A layer's
+    sliding window is in its groups (``split_batch(..., sliding_window=W)``): the decoder
+    splits a batch once per window (and KV group) and hands each layer its own."""
     outs = [
         paged_attention(q[g.rows], k[g.rows], v[g.rows], k_cache, v_cache, g.metadata, scale)
         for g in groups
@@ -335,7 +424,11 @@ def varlen_paged_attention(
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Dense causal attention of one sequence, written out op by op (the textbook formula).
 
@@ -343,10 +436,11 @@ def reference_attention(
         q: ``[n, num_heads, head_dim]``, the last ``n`` tokens of the sequence.
         k, v: ``[S, num_kv_heads, head_dim]``, the whole context (``S >= n``), contiguous.
         scale: softmax scale.
+        sliding_window: ``W``: query ``p`` attends to keys ``p - W + 1 .. p`` only.
 
     Returns:
         ``[n, num_heads, head_dim]``: query ``i`` (context index ``S - n + i``) attends to keys
-        ``0 .. S - n + i``.
+        ``0 .. S - n + i`` (the last ``W`` of them with a window).
     """
     n, H, _ = q.shape
     S, KV, _ = k.shape
@@ -354,8 +448,10 @@ def reference_attention(
     v = v.repeat_interleave(H // KV, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     pos = torch.arange(S, device=q.device)
-    future = pos[None, :] > pos[S - n :, None]  # [n, S]
-    scores = scores.masked_fill(future, float("-inf"))
+    hidden = pos[None, :] > pos[S - n :, None]  # [n, S]: the future
+    if sliding_window is not None:
+        hidden |= pos[None, :] <= pos[S - n :, None] - sliding_window  # before the window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
 
 
