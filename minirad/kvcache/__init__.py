@@ -9,7 +9,12 @@ again.
 - :class:`TokenToKVPoolAllocator` and :class:`KVCache` (``kv_pool.py``): the token slots and the
   one K/V tensor they index.
 - :class:`BlockPool` and :class:`KVCacheManager` (``block_pool.py``, ``kv_cache_manager.py``):
-  vLLM's paged cache, blocks found by chained hashes.
+  vLLM's paged cache, blocks found by chained hashes. For hybrid models (sliding-window layers
+  beside full attention), vLLM 0.32's design: per-layer specs (``kv_cache_spec.py``:
+  ``FullAttentionSpec``, ``SlidingWindowSpec``), KV-cache groups of one page size
+  (``kv_cache_groups.py``), one manager per attention type (``single_type_kv_cache_manager.py``),
+  the fixed-point hit of ``HybridKVCacheCoordinator`` (``kv_cache_coordinator.py``) and the
+  checker of its invariants (``kv_cache_invariants.py``).
 - ``multimodal.py``: cache keys for images (content hashes, pad ids, block extra keys);
   ``tokens.py``: the token-id checks both caches share.
 

@@ -3,7 +3,8 @@
 A VLM is a vision tower, a projector that maps patch features to the text model's hidden size,
 and a text decoder whose input embeddings have image placeholders replaced by those features.
 Families differ in module paths and image inputs, not in the decoder: every supported family
-has a Llama or Qwen2 text decoder, which :class:`~minirad.models.PagedDecoder` runs.
+has a text decoder :class:`~minirad.models.PagedDecoder` runs (Llama, Qwen2, or the hybrid
+Gemma 3 text with its sliding-window layers; :func:`~minirad.models.check_text_config`).
 
 Module map for ``transformers`` 5.24 (see the project's VLM notes, §3.1):
 
@@ -30,7 +31,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from minirad.errors import InvalidArgumentError, UnsupportedModelError
-from minirad.models.decoder import check_text_config
+from minirad.models.text_config import check_text_config
 
 __all__ = ["DEFAULT_MODEL_DIR", "FAMILIES", "VLMFamily", "get_family", "load_model"]
 
