@@ -33,7 +33,7 @@ LLAVA_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # CLIP "default": CLS drop
 IDEFICS3_SCALE = 2
 IDEFICS3_IMAGE_TOKENS = LLAVA_IMAGE_TOKENS // IDEFICS3_SCALE**2  # pixel shuffle -> 4
 
-FAMILIES = ("llava-llama", "llava-qwen2", "idefics3")
+FAMILIES = ("llava-llama", "llava-qwen2", "llava-gemma3", "idefics3")
 
 
 def text_config(kind: str = "llama", **overrides) -> LlamaConfig | Qwen2Config:
@@ -124,6 +124,8 @@ def tiny_model(family: str, seed: int = 0) -> PreTrainedModel:
         return tiny_llava("llama", seed)
     if family == "llava-qwen2":
         return tiny_llava("qwen2", seed)
+    if family == "llava-gemma3":
+        return tiny_llava_gemma3(seed)
     if family == "idefics3":
         return tiny_idefics3(seed)
     raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
@@ -366,5 +368,5 @@ def tiny_llava_gemma3(seed: int = 0, **text_overrides) -> PreTrainedModel:
                 layer.post_attention_layernorm,
                 layer.post_feedforward_layernorm,
             ):
-                norm.weight.add_(2.0)
+                norm.weight.add_(1.0)
     return model
