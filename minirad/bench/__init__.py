@@ -36,6 +36,10 @@
 - ``hicache-engine``: the engine on a multi-turn image chat whose conversations take turns on a
   small device pool: TTFT device-only, with a host tier, and a new engine on a filled disk
   folder; outputs must match (:mod:`minirad.bench.hicache_engine`).
+- ``hybrid``: KV bytes per sequence, concurrent sequences in a fixed pool and the bytes-vs-tokens
+  curve of a 5 sliding : 1 full model, full attention against vLLM's hybrid block manager,
+  measured on :class:`~minirad.kvcache.kv_cache_manager.KVCacheManager`
+  (:mod:`minirad.bench.hybrid`).
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run_cli(args) -> exit code``;
 :func:`main` registers them as subcommands (``-`` in a name is ``_`` in its module's), importing
@@ -75,6 +79,8 @@ _COMMANDS = {  # subcommand (= module name, "-" for "_") -> help
     "rate, prefill tokens, device and host hits, against Belady's MIN at the total capacity",
     "hicache-engine": "the engine on a multi-turn image chat, device-only vs with a host tier "
     "vs a new engine on a filled disk: TTFT, prefill tokens, cached tokens by source",
+    "hybrid": "sliding-window + full attention KV: bytes per sequence, concurrent sequences in "
+    "a fixed pool and the bytes-vs-tokens sawtooth, full attention vs vLLM's hybrid manager",
 }
 
 
