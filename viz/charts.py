@@ -35,6 +35,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from minirad import slot_mapping
+from minirad.kvcache.swa_window import window_lock_mask
 
 __all__ = [
     "block_pool_chart",
@@ -606,11 +607,7 @@ def unified_locks(lengths: Sequence[int], window: int) -> dict[str, list[bool]]:
     """
     if not lengths or any(n < 1 for n in lengths) or window < 1:
         raise ValueError(f"need nodes of >= 1 token and window >= 1, got {lengths}, {window}")
-    swa, covered = [False] * len(lengths), 0
-    for i in reversed(range(len(lengths))):
-        if covered >= window:
-            break
-        swa[i], covered = True, covered + lengths[i]
+    swa = window_lock_mask(list(lengths), window)  # the rule lives in minirad.kvcache
     last = [i == len(lengths) - 1 for i in range(len(lengths))]
     return {"full": [True] * len(lengths), "swa": swa, "mamba": last}
 

@@ -15,6 +15,11 @@ again.
   (``kv_cache_groups.py``), one manager per attention type (``single_type_kv_cache_manager.py``),
   the fixed-point hit of ``HybridKVCacheCoordinator`` (``kv_cache_coordinator.py``) and the
   checker of its invariants (``kv_cache_invariants.py``).
+- :class:`~minirad.kvcache.swa_radix_cache.SWARadixCache` (``swa_*.py``): SGLang 0.5.23's
+  hybrid design, its ``UnifiedRadixCache`` with (FULL, SWA) components: per-node values, locks
+  and LRU lists per component, tombstones, the window validator and window lock
+  (``swa_window.py``, the one home of those rules), cascade eviction, a full and an SWA slot
+  pool (``swa_pools.py``), out-of-window frees with ``evicted_seqlen``.
 - ``multimodal.py``: cache keys for images (content hashes, pad ids, block extra keys);
   ``tokens.py``: the token-id checks both caches share.
 
