@@ -69,6 +69,7 @@ SLOW_FIRST = (
     "tests/test_vllm_parity.py",
     "tests/test_vllm_hybrid.py",
     "tests/test_swa_sglang_parity.py",
+    "tests/test_vllm_gemma3_vlm.py",
     "tests/test_bench_engine.py",
     "tests/test_bench_sglang.py",
     "tests/test_serve_hostile.py",

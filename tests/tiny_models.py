@@ -370,3 +370,110 @@ def tiny_llava_gemma3(seed: int = 0, **text_overrides) -> PreTrainedModel:
             ):
                 norm.weight.add_(1.0)
     return model
+
+
+BOI_ID, EOI_ID = 4, 5  # Gemma 3's <start_of_image> and <end_of_image> in the tiny vocabulary
+GEMMA3_IMAGE_TOKENS = 4  # mm_tokens_per_image: the 4x4 SigLIP patches pooled 2x2
+
+
+def tiny_gemma3_vlm(seed: int = 0, **text_overrides) -> PreTrainedModel:
+    """The real ``Gemma3ForConditionalGeneration``: a 2-layer SigLIP tower on 32x32 images
+    (patch 8: 16 patches), Gemma 3's projector (average-pooled to :data:`GEMMA3_IMAGE_TOKENS`
+    rows, RMS-normed, projected) and the text model of :func:`gemma3_text_config`, its norms
+    raised as in :func:`tiny_llava_gemma3`. Image placeholder :data:`IMAGE_TOKEN_ID`,
+    bracketed in prompts by :data:`BOI_ID` and :data:`EOI_ID`. No final logit softcap, as in
+    Google's Gemma 3 checkpoints (HF's ``Gemma3ForConditionalGeneration`` would ignore one;
+    vLLM's applies it)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        vision_use_head=False,
+    )
+    cfg = Gemma3Config(
+        vision_config=vision,
+        text_config=gemma3_text_config(**{"final_logit_softcapping": None, **text_overrides}),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        image_token_index=IMAGE_TOKEN_ID,
+        boi_token_index=BOI_ID,
+        eoi_token_index=EOI_ID,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = _finish(Gemma3ForConditionalGeneration(cfg), seed)
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            for norm in (
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
+                layer.post_attention_layernorm,
+                layer.post_feedforward_layernorm,
+            ):
+                norm.weight.add_(1.0)
+    return model
+
+
+def gemma3_prompt_ids(text_before: int, text_after: int, num_images: int = 1, seed: int = 0):
+    """A Gemma 3 prompt as its processor lays it out: ``bos, text_before random tokens, then
+    per image (boi, the placeholders, eoi, 2 random tokens), then text_after random tokens``.
+    Random tokens are drawn from ``6 .. VOCAB_SIZE - 1`` (never special)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(6, VOCAB_SIZE, (n,), generator=g).tolist()
+
+    ids = [BOS_ID, *rand(text_before)]
+    for _ in range(num_images):
+        ids += [BOI_ID, *[IMAGE_TOKEN_ID] * GEMMA3_IMAGE_TOKENS, EOI_ID, *rand(2)]
+    return ids + rand(text_after)
+
+
+def tiny_gemma3_processor():
+    """A real ``Gemma3Processor`` for :func:`tiny_gemma3_vlm`, as vLLM needs one: a word-level
+    tokenizer whose vocabulary has Gemma 3's image tokens (``<image_soft_token>`` =
+    :data:`IMAGE_TOKEN_ID`, ``<start_of_image>`` = :data:`BOI_ID`, ``<end_of_image>`` =
+    :data:`EOI_ID`) and its newline runs ``"\\n"`` .. ``"\\n\\n\\n\\n"`` (ids 6-9: the processor
+    wraps each image in ``"\\n\\n"``, which vLLM merges with neighbouring newlines), then
+    ``"w<i>"``; and Gemma 3's PIL image processor at 32x32, no pan-and-scan. A prompt's
+    ``<start_of_image>`` expands to ``\\n\\n <start_of_image> 4 x <image_soft_token>
+    <end_of_image> \\n\\n``."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    vocab = {
+        "<pad>": PAD_ID,
+        "<bos>": BOS_ID,
+        "<eos>": EOS_ID,
+        "<image_soft_token>": IMAGE_TOKEN_ID,
+        "<start_of_image>": BOI_ID,
+        "<end_of_image>": EOI_ID,
+    }
+    vocab.update({"\n" * n: 5 + n for n in range(1, 5)})
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    # Words and newline runs are tokens; spaces separate them.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+|[^\s]+"), "removed", invert=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        extra_special_tokens={
+            "image_token": "<image_soft_token>",
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+        },
+    )
+    image_processor = Gemma3ImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_scan=False
+    )
+    return Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_IMAGE_TOKENS,
+    )

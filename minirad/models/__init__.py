@@ -11,7 +11,8 @@
   :func:`layer_groups`).
 - :class:`VLMFamily`, :func:`get_family`, :func:`load_model` (``families.py``): which VLMs we
   run and where their parts live.
-- :class:`PagedVLM`, :func:`image_features_for_chunk` (``vlm.py``): images into a prefill.
+- :class:`PagedVLM`, :func:`image_features_for_chunk`, :func:`image_spans` (``vlm.py``): images
+  into a prefill.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "KVGroupSlots": "forward_batch",
     "PagedVLM": "vlm",
     "image_features_for_chunk": "vlm",
+    "image_spans": "vlm",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -243,6 +243,7 @@ class PagedDecoder:
                 row_bytes,
                 self.cascade,
                 window,
+                batch.bidirectional_spans,
             )
         layers = zip(self.plan.layers, self.linears, self.kv_views, self.layer_kinds, strict=True)
         for p, w, (k_cache, v_cache), kind in layers:

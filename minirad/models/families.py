@@ -13,7 +13,18 @@ family     text decoder                    vision tower            projector
 =========  ==============================  ======================  ===========================
 llava      ``model.language_model``        ``model.vision_tower``  ``model.multi_modal_projector``
 idefics3   ``model.text_model``            ``model.vision_model``  ``model.connector``
+gemma3     ``model.language_model``        ``model.vision_tower``  ``model.multi_modal_projector``
 =========  ==============================  ======================  ===========================
+
+Gemma 3 (``Gemma3ForConditionalGeneration``: a SigLIP tower, a projector that average-pools the
+patches to ``mm_tokens_per_image`` rows, RMS-norms and projects them, and the Gemma 3 text
+model) differs in one more way: its image tokens attend *bidirectionally* within their image.
+HF builds the mask from ``token_type_ids`` (``create_masks_for_vision_model``): a maximal run of
+image tokens is one block, and a query in a block sees every key of that block, later ones
+included; full layers ``causal OR same block``, sliding layers ``window AND (causal OR same
+block)`` (``window``: the key is less than ``sliding_window`` positions back). The family says
+so (``bidirectional_images``) and :class:`~minirad.models.PagedVLM` passes each image's span
+to attention (``ForwardBatch.bidirectional_spans``).
 
 Images always go through the model's own ``model.get_image_features(...).pooler_output``
 (tower + projector), so feature selection (CLS dropping, pixel shuffle) is HF's. The KV cache
@@ -49,6 +60,8 @@ class VLMFamily:
         architecture: the ``*ForConditionalGeneration`` class name (``config.architectures``).
         text_model_path, vision_tower_path, projector_path: module paths.
         image_input_names: the processor outputs ``get_image_features`` takes.
+        bidirectional_images: an image's tokens see each other, later ones included (Gemma
+            3); False: causal, as text.
     """
 
     model_type: str
@@ -57,6 +70,7 @@ class VLMFamily:
     vision_tower_path: str
     projector_path: str
     image_input_names: tuple[str, ...]
+    bidirectional_images: bool = False
 
     def text_model(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(self.text_model_path)
@@ -86,6 +100,15 @@ FAMILIES: dict[str, VLMFamily] = {
             vision_tower_path="model.vision_model",
             projector_path="model.connector",
             image_input_names=("pixel_values", "pixel_attention_mask"),
+        ),
+        VLMFamily(
+            model_type="gemma3",
+            architecture="Gemma3ForConditionalGeneration",
+            text_model_path="model.language_model",
+            vision_tower_path="model.vision_tower",
+            projector_path="model.multi_modal_projector",
+            image_input_names=("pixel_values",),
+            bidirectional_images=True,
         ),
     )
 }

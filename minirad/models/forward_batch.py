@@ -82,6 +82,11 @@ class ForwardBatch:
         extra_kv_groups: the slots of KV groups 1, 2, ... of a model that keeps its layers in
             several slot spaces (group 0's are ``slot_mapping`` and ``kv_slots``); empty for
             one group. :meth:`kv_group` reads any of them.
+        bidirectional_spans: optional ``[T, 2]`` int64, per new token the positions
+            ``lo .. hi - 1`` of its sequence it sees in every layer besides the causal ones,
+            later positions included, ``(0, 0)`` for none: a Gemma 3 image token sees its whole
+            image (:meth:`minirad.models.PagedVLM.forward` fills them). A span must lie within
+            the step's new tokens of its sequence; prefill queries only (a decode's is itself).
     """
 
     input_ids: torch.Tensor
@@ -95,6 +100,7 @@ class ForwardBatch:
     mm_features: torch.Tensor | None = None
     mm_token_indices: torch.Tensor | None = None
     extra_kv_groups: tuple[KVGroupSlots, ...] = ()
+    bidirectional_spans: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -119,6 +119,7 @@ class AttentionMetadata:
         max_query_len: int,
         kv_row_bytes: int | None = None,
         sliding_window: int | None = None,
+        bidirectional_spans: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Index tensors for a batch.
 
@@ -137,6 +138,11 @@ class AttentionMetadata:
                 (any value will do); None: full attention. A window turns the cascade off:
                 each decode reads at most ``W`` keys anyway, and sequences of different
                 lengths see different parts of a shared prefix.
+            bidirectional_spans: ``[T, 2]`` int64, per new token a span ``lo, hi`` of context
+                positions it sees *besides* the causal ones, later positions included (Gemma
+                3's image tokens see their whole image): ``(0, 0)`` for none. A span must lie
+                inside the sequence's context of this step (``hi <= seq_lens[b]``); a window
+                still hides keys older than ``W - 1`` positions. None: causal only.
 
         Raises:
             InvalidArgumentError: the shapes disagree, or the window is not a positive int.
@@ -167,15 +173,26 @@ class AttentionMetadata:
         # past it. A padding row (i >= query_lens[b]) keeps at least key 0, so SDPA returns no
         # NaN for it; its output is dropped.
         q_pos = (seq_lens - query_lens)[:, None] + rows[None, :]  # [B, Q]
-        if sliding_window is None:
-            mask = torch.arange(S, device=dev)[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
-        else:
-            kv_slots, mask = _window(kv_slots, seq_lens, q_pos, max_query_len, sliding_window)
-        query_index = output_index = None
-        if T != B * max_query_len:  # ragged: gather queries into padded rows and back
+        ragged = T != B * max_query_len
+        spans = token = None
+        if ragged or bidirectional_spans is not None:
             valid = rows[None, :] < query_lens[:, None]  # [B, Q]
             starts = torch.cumsum(query_lens, 0) - query_lens
-            query_index = torch.where(valid, starts[:, None] + rows[None, :], 0)
+            token = torch.where(valid, starts[:, None] + rows[None, :], 0)  # q row per query
+        if bidirectional_spans is not None:  # [B, Q, 2]; padding rows see no span
+            spans = torch.where(valid[:, :, None], bidirectional_spans[token], 0)
+        if sliding_window is None:
+            k_pos = torch.arange(S, device=dev)[None, None, :]
+            mask = k_pos <= q_pos[:, :, None]  # [B, Q, S]
+            if spans is not None:
+                mask |= (k_pos >= spans[:, :, :1]) & (k_pos < spans[:, :, 1:])
+        else:
+            kv_slots, mask = _window(
+                kv_slots, seq_lens, q_pos, max_query_len, sliding_window, spans
+            )
+        query_index = output_index = None
+        if ragged:  # gather queries into padded rows and back
+            query_index = token
             # Row-major order of the valid cells is token order (sequence after sequence).
             output_index = torch.arange(B * max_query_len, device=dev)[valid.flatten()]
         cascade = kv_row_bytes is not None and max_query_len == 1 and sliding_window is None
@@ -197,6 +214,7 @@ def _window(
     q_pos: torch.Tensor,
     max_query_len: int,
     window: int,
+    spans: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The part of each ``kv_slots`` row a sliding-window layer reads, and its mask.
 
@@ -213,6 +231,8 @@ def _window(
             sequence's end).
         max_query_len: ``Q``.
         window: ``W``.
+        spans: ``[B, Q, 2]``, keys each query sees besides the causal ones (HF's Gemma 3
+            images: ``window AND (causal OR same image)``), inside the gathered range; or None.
 
     Returns:
         ``[B, width]`` slots and the ``[B, Q, width]`` mask: key position ``k`` is visible to
@@ -228,7 +248,10 @@ def _window(
     slots = kv_slots.gather(1, torch.where(real, k_pos, last))
     q = torch.minimum(q_pos, last)[:, :, None]  # [B, Q, 1]
     k = k_pos[:, None, :]  # [B, 1, width]
-    return slots, (k <= q) & (k > q - window)  # k <= q <= last: padding keys are hidden too
+    seen = k <= q  # k <= q <= last: padding keys are hidden too
+    if spans is not None:  # a span ends by the newest key: never a padding key
+        seen = seen | ((k >= spans[:, :, :1]) & (k < spans[:, :, 1:]))
+    return slots, seen & (k > q - window)
 
 
 def paged_attention(
@@ -308,6 +331,7 @@ def split_batch(
     kv_row_bytes: int | None = None,
     cascade: bool = True,
     sliding_window: int | None = None,
+    bidirectional_spans: torch.Tensor | None = None,
 ) -> list[AttentionGroup]:
     """Split a batch (arguments as in :meth:`AttentionMetadata.build`) in attention groups:
     the sequences with one new token (decodes), padded only to their longest context, apart
@@ -316,7 +340,9 @@ def split_batch(
     :data:`ATTENTION_CHUNK_BYTES` (:func:`_decode_chunks`), and ``cascade`` lets each decode
     group attend to a shared prefix once. The groups are for layers with ``sliding_window``
     (None: full attention); a decode of a windowed layer gathers at most ``W`` keys, and its
-    groups are cut by that.
+    groups are cut by that. ``bidirectional_spans`` (``[T, 2]``, see
+    :meth:`AttentionMetadata.build`) go to the groups of more than one new token; a decode's
+    span can only be itself.
 
     Raises:
         InvalidArgumentError: the batch is empty, or the shapes disagree (see
@@ -340,6 +366,7 @@ def split_batch(
             max(q_lens),
             cascade_bytes,
             sliding_window,
+            None if is_decode[0] else bidirectional_spans,
         )
         return [AttentionGroup(slice(0, slot_mapping.shape[0]), meta)]
     if seq_lens.shape != query_lens.shape or sum(q_lens) != slot_mapping.shape[0]:
@@ -364,8 +391,9 @@ def split_batch(
             kv = kv_slots.index_select(0, index)
             lens, qs = seq_lens.index_select(0, index), query_lens.index_select(0, index)
         width, max_q = max(s_lens[b] for b in seqs), max(q_lens[b] for b in seqs)
+        spans = None if bidirectional_spans is None or max_q == 1 else bidirectional_spans[rows]
         meta = AttentionMetadata.build(
-            slot_mapping[rows], kv[:, :width], lens, qs, max_q, cascade_bytes, sliding_window
+            slot_mapping[rows], kv[:, :width], lens, qs, max_q, cascade_bytes, sliding_window, spans
         )
         return AttentionGroup(rows, meta)
 
