@@ -35,8 +35,9 @@ The cache is put together from one module per concept, read in this order (the c
 Each part but the core is a mixin over the same object (``self``); a part with state of its
 own starts it in ``_init_tree``. Where SGLang 0.5.23's per-component data
 (``UnifiedRadixCache``: Full and SWA values per node, tombstones, window locks, cascade
-eviction) will hook in, each module's docstring says, and the code marks each place
-"Component seam".
+eviction) hooks in, each module's docstring says, and the code marks each place
+"Component seam"; ``swa_tree.py`` (``SWATree``, the tree of ``SWARadixCache``) is this tree with
+an SWA component at those seams.
 """
 
 from __future__ import annotations

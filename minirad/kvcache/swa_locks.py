@@ -67,14 +67,6 @@ class SWALocksMixin(_Base):
                 break
 
     # ------------------------------------------------------------------ sizes
-    def nodes(self) -> Iterator[SWANode]:
-        """Every node but the root, depth-first."""
-        stack = list(self.root_node.children.values())
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
-
     def _sizes(self, ct: ComponentType) -> tuple[int, int]:
         evictable = protected = 0
         for n in self.nodes():

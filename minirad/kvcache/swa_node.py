@@ -1,18 +1,22 @@
-"""A node of the hybrid (Full, SWA) radix tree: one :class:`ComponentData` per component.
+"""A node of the hybrid (Full, SWA) radix tree: our radix tree's node with one
+:class:`ComponentData` per component.
 
 SGLang 0.5.23's ``UnifiedTreeNode`` keeps, per component, its own ``value`` (pool slots),
 ``lock_ref`` and place in the component's LRU list (``ComponentData``). Here the Full
-component's value is the token's full-pool slots, and the SWA component's the same tokens'
-SWA-pool slots. ``swa.value is None`` while ``full.value`` stays is a **tombstone**: the tree
-keeps the tokens and their full-attention KV, but their sliding-window KV is gone, so no hit
-may end on them (:func:`~minirad.kvcache.swa_window.make_swa_validator`).
+component is the tree node's own ``value`` (the tokens' full-pool slots), ``lock_ref`` and
+``last_access_time``; the SWA component, added through the node's Component seam, holds the
+same tokens' SWA-pool slots. ``swa.value is None`` while ``full.value`` stays is a
+**tombstone**: the tree keeps the tokens and their full-attention KV, but their sliding-window
+KV is gone, so no hit may end on them (:func:`~minirad.kvcache.swa_window.make_swa_validator`).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from minirad.kvcache.radix_node import TreeNode
 
 __all__ = ["ComponentData", "ComponentType", "SWAMatchResult", "SWANode"]
 
@@ -40,35 +44,52 @@ class ComponentData:
     last_access: float = 0.0
 
 
-class SWANode:
-    """One edge of the hybrid tree and the node at its end.
+def _alias(name: str) -> property:
+    """A property read from and written to the viewed node's attribute ``name``."""
+    return property(
+        lambda self: getattr(self._node, name), lambda self, v: setattr(self._node, name, v)
+    )
 
-    Attributes:
-        id: display id (the root is 0).
-        key: the token ids on the edge.
-        parent, children: the tree (children keyed by their first token).
-        full, swa: each component's :class:`ComponentData`.
+
+class _FullData:
+    """The Full component's :class:`ComponentData`, read from the node itself: the radix
+    tree's ``value``, ``lock_ref`` and ``last_access_time`` are the Full component's (the
+    Component seam of :mod:`~minirad.kvcache.radix_node`), so split and insert keep them."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node: TreeNode) -> None:
+        self._node = node
+
+    value = _alias("value")
+    lock_ref = _alias("lock_ref")
+    last_access = _alias("last_access_time")
+
+
+class SWANode(TreeNode):
+    """A :class:`~minirad.kvcache.radix_node.TreeNode` with an SWA component beside its own.
+
+    Attributes (besides the tree's):
+        full: the Full component: the node's ``value``, ``lock_ref`` and
+            ``last_access_time`` seen as a :class:`ComponentData`.
+        swa: the SWA component's :class:`ComponentData`.
         swa_uuid: the window-lock boundary stamp (SGLang's ``metadata["uuid"]``): a lock whose
             window was filled at this node releases up to here.
     """
 
-    __slots__ = ("id", "key", "parent", "children", "full", "swa", "swa_uuid")
+    __slots__ = ("swa", "swa_uuid")
 
-    def __init__(self, id: int, key: list[int], parent: SWANode | None) -> None:
-        self.id = id
-        self.key = key
-        self.parent = parent
-        self.children: dict[int, SWANode] = {}
-        self.full = ComponentData([])
+    def __init__(self, *args: Any) -> None:  # TreeNode's arguments
+        super().__init__(*args)
         self.swa = ComponentData([])
         self.swa_uuid: int | None = None
 
-    def data(self, ct: ComponentType) -> ComponentData:
-        return self.full if ct is ComponentType.FULL else self.swa
-
     @property
-    def is_leaf(self) -> bool:
-        return not self.children
+    def full(self) -> _FullData:
+        return _FullData(self)
+
+    def data(self, ct: ComponentType) -> ComponentData | _FullData:
+        return self.full if ct is ComponentType.FULL else self.swa
 
     @property
     def is_tombstone(self) -> bool:

@@ -1,13 +1,16 @@
 """A hybrid radix cache for models with full-attention and sliding-window layers: SGLang 0.5.23's
-``UnifiedRadixCache`` with components ``(FULL, SWA)``, on a small tree of our own.
+``UnifiedRadixCache`` with components ``(FULL, SWA)``, on our radix tree.
 
-One tree of token ids; each node carries a Full and an SWA value (:mod:`.swa_node`), two slot
-pools hold them (:mod:`.swa_pools`, the SWA pool ``swa_full_tokens_ratio`` of the full one).
+One tree of token ids, :class:`~minirad.kvcache.radix_tree.RadixTree` (its nodes, child keys,
+walk and split); each node carries a Full value (the tree node's own) and an SWA value
+(:mod:`.swa_node`), added at the tree's Component seams. Two slot pools hold them
+(:mod:`.swa_pools`, the SWA pool ``swa_full_tokens_ratio`` of the full one).
 Read in this order:
 
 - ``swa_window.py``: the two window rules (match validator, window lock) and the off-by-one;
 - ``swa_node.py``: the per-component data, tombstones;
-- ``swa_tree.py``: match (validated), split, insert (duplicates freed, tombstones recovered);
+- ``swa_tree.py``: RadixTree with the SWA component: match (validated), split, insert
+  (duplicates freed, tombstones recovered);
 - ``swa_locks.py``: path lock (Full) and window lock (SWA), sizes per component;
 - ``swa_evict.py``: cascade eviction Full > SWA, tombstoning;
 - ``swa_requests.py``: a request's life, ``free_out_of_window_slots``, ``swa_branching_seqlen``;

@@ -147,13 +147,8 @@ class SWARequestsMixin(_Base):
 
     def _exact_node(self, key: list[int]) -> tuple[SWANode, list[int]]:
         """The node a just-inserted ``key`` ends on (no validator) and its full slots."""
-        node, i = self.root_node, 0
-        while i < len(key):
-            child = node.children[key[i]]
-            if len(child.key) > len(key) - i:
-                child = self._split(child, len(key) - i)
-            node, i = child, i + len(child.key)
-        return node, [s for n in self._path(node) for s in n.full.value]
+        walked, _ = self._walk_split(key, None)
+        return walked[-1], [s for n in walked for s in n.value]
 
     def _check_running(self, req: SWAReq) -> None:
         if req.finished or self.running.get(req.rid) is not req:

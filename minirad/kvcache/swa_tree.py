@@ -1,5 +1,7 @@
-"""The hybrid tree's walk: match (with the SWA validator), split, insert (with tombstone
-recovery), in the way of SGLang 0.5.23's ``UnifiedTreeCore`` with components (FULL, SWA).
+"""The hybrid tree: our :class:`~minirad.kvcache.radix_tree.RadixTree` (its nodes, child keys,
+walk and split) with the SWA component at its seams, in the way of SGLang 0.5.23's
+``UnifiedTreeCore`` with components (FULL, SWA): match cut back by the SWA validator, split
+dividing the SWA value too, insert with duplicates freed and tombstone recovery.
 
 Page size 1. Recency, as SGLang keeps it (eviction order depends on it):
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from minirad.errors import InvalidArgumentError
+from minirad.events import EventBus
+from minirad.kvcache.radix_tree import RadixTree
 from minirad.kvcache.swa_node import SWAMatchResult, SWANode
 from minirad.kvcache.swa_pools import SWASlotPools
 from minirad.kvcache.swa_window import check_window, make_swa_validator
@@ -25,33 +29,28 @@ from minirad.kvcache.tokens import checked_token_ids
 __all__ = ["SWATree"]
 
 
-def _common(a: Sequence[int], b: Sequence[int], start: int) -> int:
-    n = 0
-    limit = min(len(a), len(b) - start)
-    while n < limit and a[n] == b[start + n]:
-        n += 1
-    return n
-
-
-class SWATree:
+class SWATree(RadixTree):
     """The tree core; :class:`~minirad.kvcache.swa_radix_cache.SWARadixCache` adds locks,
-    eviction and requests."""
+    eviction and requests. Page size 1, no namespaces, no allocator (``pools`` owns the
+    slots); the Full component is the radix tree's own ``value`` and ``lock_ref``."""
+
+    node_class = SWANode
+    page_size = 1
+    token_to_kv_pool_allocator = None
+    # RadixTree's split re-ranks the radix eviction heap's leaves; this cache ranks its own
+    # (swa_evict.py), so that set stays empty.
+    evictable_leaves: frozenset = frozenset()
 
     def __init__(self, pools: SWASlotPools, sliding_window_size: int) -> None:
         self.pools = pools
         self.sliding_window_size = check_window(sliding_window_size)
-        self.root_node = SWANode(0, [], None)
-        self.root_node.full.lock_ref = self.root_node.swa.lock_ref = 1  # never evicted
-        self._next_id = 1
-        self._clock = 0
+        self.bus = EventBus()  # its clock orders the Full component's LRU
+        self._init_tree()
+        self.root_node.swa.lock_ref = 1  # never evicted
         self._next_uuid = 1
         self._swa_lru: list[SWANode] = []  # nodes with live SWA KV, most recent first
 
     # ------------------------------------------------------------------ helpers
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def _path(self, node: SWANode) -> list[SWANode]:
         """Root-first nodes from below the root to ``node``."""
         out = []
@@ -61,7 +60,7 @@ class SWATree:
         return out[::-1]
 
     def _stamp(self, node: SWANode) -> None:
-        node.full.last_access = self._tick()
+        node.last_access_time = self.bus.tick()
 
     def _lru_remove(self, node: SWANode) -> None:
         if node in self._swa_lru:
@@ -83,27 +82,29 @@ class SWATree:
             covered += len(node.key)
             node = node.parent
 
-    def _split(self, child: SWANode, m: int) -> SWANode:
-        """``parent -> child`` becomes ``parent -> new -> child`` after ``m`` tokens; both
-        components' values are divided, lock counts copied, and the window-boundary stamp
-        moves to ``new`` (the node's older edge, where a lock's window was filled)."""
-        new = SWANode(self._next_id, child.key[:m], child.parent)
-        self._next_id += 1
-        for mine, theirs in ((new.full, child.full), (new.swa, child.swa)):
-            mine.lock_ref = theirs.lock_ref
-            if theirs.value is None:
-                mine.value = None
-            else:
-                mine.value, theirs.value = theirs.value[:m], theirs.value[m:]
+    def _split_node(self, child: SWANode, m: int, t: int | None = None) -> SWANode:
+        """RadixTree's split (the Full value divided, ``lock_ref`` copied), then the SWA
+        component's: its value divided, its lock count copied, and the window-boundary stamp
+        moved to ``new`` (the node's older edge, where a lock's window was filled)."""
+        new = super()._split_node(child, m, self.bus.time if t is None else t)
+        new.swa.lock_ref = child.swa.lock_ref
+        if child.swa.value is None:
+            new.swa.value = None
+        else:
+            new.swa.value, child.swa.value = child.swa.value[:m], child.swa.value[m:]
         new.swa_uuid, child.swa_uuid = child.swa_uuid, None
-        child.parent.children[child.key[0]] = new
-        child.key, child.parent = child.key[m:], new
-        new.children = {child.key[0]: child}
         self._stamp(new)
         self._stamp(child)  # the lower half: more recent
         if new.swa.value is not None:
             self._swa_lru.insert(self._swa_lru.index(child) + 1, new)
         return new
+
+    def _walk_split(self, key: list[int], buf) -> tuple[list[SWANode], int]:
+        """RadixTree's walk, with the node it ends inside split there (as SGLang does)."""
+        walked, i, cut = self._walk(key, buf, None)
+        if cut:
+            walked[-1] = self._split_node(walked[-1], cut)
+        return walked, i
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: Sequence[int]) -> SWAMatchResult:
@@ -114,26 +115,20 @@ class SWATree:
         Raises:
             InvalidKeyError: a token id is negative or not an int.
         """
-        key, _ = checked_token_ids(key, "key")
+        key, buf = checked_token_ids(key, "key")
+        walked, i = self._walk_split(key, buf)
+        # The Component seam of RadixTree._match: the SWA validator cuts the walk back.
         valid = make_swa_validator(self.sliding_window_size)
-        node, i = self.root_node, 0
-        best, best_len = self.root_node, 0
-        while i < len(key) and key[i] in node.children:
-            child = node.children[key[i]]
-            m = _common(child.key, key, i)
-            partial = m < len(child.key)
-            if partial:
-                child = self._split(child, m)
-            node, i = child, i + m
+        best, best_len, at = self.root_node, 0, 0
+        for node in walked:
+            at += len(node.key)
             if valid(len(node.key), node.swa.value is not None):
-                best, best_len = node, i
-            if partial:
-                break
-        indices = [s for n in self._path(best) for s in n.full.value]
+                best, best_len = node, at
+        indices = [s for n in self._path(best) for s in n.value]
         self._refresh_window(best)
-        t = self._tick()
+        t = self.bus.tick()
         for n in reversed(self._path(best)):
-            n.full.last_access, t = t, t - 1e-5
+            n.last_access_time, t = t, t - 1e-5
         branching = i if i > best_len else None
         return SWAMatchResult(indices, best, i, branching)
 
@@ -159,19 +154,19 @@ class SWATree:
             InvalidArgumentError: no tokens, not one slot per token, or ``evicted_seqlen`` past
                 the last token (the new leaf would have no live window).
         """
-        key, _ = checked_token_ids(key, "key")
+        key, buf = checked_token_ids(key, "key")
         value = list(value)
         if len(key) != len(value) or not key:
             raise InvalidArgumentError(f"{len(key)} tokens with {len(value)} slots")
         if evicted_seqlen >= len(key):
             raise InvalidArgumentError("evicted_seqlen must leave a live window at the end")
+        walked, _, cut = self._walk(key, buf, None)
         node, i = self.root_node, 0
-        while i < len(key) and key[i] in node.children:
-            child = node.children[key[i]]
+        for k, child in enumerate(walked):
             self._stamp(child)
-            m = _common(child.key, key, i)
-            if m < len(child.key):
-                child = self._split(child, m)
+            if cut and k == len(walked) - 1:
+                child = self._split_node(child, cut)
+            m = len(child.key)
             self._overlap(child, i, value, prev_prefix_len, evicted_seqlen)
             node, i = child, i + m
         if i < len(key):
@@ -185,15 +180,15 @@ class SWATree:
         e = s + len(node.key)
         if prev >= e:
             return  # the request's own matched prefix: the tree's slots already
-        tree = list(node.full.value)  # the tree's slots of [s, e)
+        tree = list(node.value)  # the tree's slots of [s, e)
         lo = max(s, prev)
         live = max(lo, evicted)
         dup_end = e
         if node.swa.value is None and live < e:  # recover the in-window part of a tombstone
             if live > s:
-                self._split(node, live - s)  # ``node`` keeps [live, e)
-            self.pools.move_swa(value[live:e], node.full.value)
-            node.swa.value = self.pools.translate(node.full.value)
+                self._split_node(node, live - s)  # ``node`` keeps [live, e)
+            self.pools.move_swa(value[live:e], node.value)
+            node.swa.value = self.pools.translate(node.value)
             self._lru_front(node)
             dup_end = live
             self.pools.free(value[live:e])  # their full slots: the tree keeps its own
@@ -214,9 +209,7 @@ class SWATree:
         cuts.append(n)
         node = parent
         for a, b in zip(cuts, cuts[1:], strict=False):
-            leaf = SWANode(self._next_id, key[a:b], node)
-            self._next_id += 1
-            leaf.full.value = value[a:b]
+            leaf = self._new_node(key[a:b], value[a:b], node, self.bus.time)
             self._stamp(leaf)
             leaf.swa.value = None if b <= evicted else self.pools.translate(value[a:b])
             if leaf.swa.value is not None:
