@@ -76,6 +76,7 @@ SLOW_FIRST = (
     "tests/test_routers.py",
     "notebooks/10_replicas.ipynb",
     "tests/test_tiny_vlm.py",
+    "tests/test_tiny_gemma3_vlm.py",
     "tests/test_server_process.py",
     "tests/test_bench.py",
 )

@@ -8,6 +8,13 @@ replace the ``<image>`` placeholder tokens of a Llama decoder's input. The proce
 Everything is built from configs, with the course tokenizer (``minirad.models.tokenizer``), so no
 file comes from the Hub.
 
+``--text-family gemma3`` puts Gemma 3's text decoder (``Gemma3TextConfig``, the decoder of
+``Gemma3ForCausalLM``) in the Llama's place, with the same widths: a hybrid stack where every
+``--sliding-window-pattern``-th layer attends to the whole sequence and the others only to the
+last ``--sliding-window`` tokens (Gemma 3 Team 2025, https://arxiv.org/abs/2503.19786). It stays
+a LLaVA: the image tokens attend causally, as in the Llama model and as vLLM runs a LLaVA (Gemma
+3's own VLM lets them see each other).
+
 Task: the scenes of :mod:`minirad.course.scenes`, asked as one-turn ChatML conversations::
 
     <|im_start|>user
@@ -27,6 +34,7 @@ Usage::
 
     python -m minirad.course.train --out data/models/minirad-tiny-llava     # the shipped model
     python -m minirad.course.train --out /tmp/smoke --steps 2 --eval-scenes 4   # smoke run
+    python -m minirad.course.train --text-family gemma3 --text-layers 6 ...  # see its model card
 
 Training is deterministic for a given seed and thread count: scenes come from a seeded
 ``random.Random``, weights from ``torch.manual_seed``, and ``torch.set_num_threads`` fixes the
@@ -57,6 +65,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import (
     CLIPVisionConfig,
+    Gemma3TextConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -87,6 +96,7 @@ __all__ = [
     "MAX_ANSWER_TOKENS",
     "MODEL_CARD_TEMPLATE",
     "TrainConfig",
+    "TEXT_FAMILIES",
     "TrainRun",
     "PackedBatcher",
     "answer_logits",
@@ -96,9 +106,12 @@ __all__ = [
     "generate_answers",
     "make_examples",
     "model_card",
+    "sliding_window_of",
+    "text_config",
     "train",
 ]
 
+TEXT_FAMILIES = ("llama", "gemma3")  # --text-family
 EVAL_SEED = 1_000_003  # held-out scenes: a stream that training (seed + step) never uses
 # Room for the longest answer: the JSON listing of three shapes is 89 tokens with <|im_end|>.
 MAX_ANSWER_TOKENS = 96
@@ -166,6 +179,13 @@ class TrainConfig:
     text_layers: int = 3
     text_heads: int = 4
     text_kv_heads: int = 2
+    text_family: str = "llama"  # the text decoder, one of TEXT_FAMILIES
+    # gemma3 only. A sliding layer's query sees the keys less than this many positions behind it
+    # (itself included); a one-question prompt is 75-100 tokens, 64 of them the image's.
+    sliding_window: int = 32
+    # gemma3 only: every Nth layer attends to the whole sequence, the others through the window
+    # (Gemma 3's convention and its old config field: 6 = five sliding layers, then one full).
+    sliding_window_pattern: int = 6
     eval_every: int = 200  # steps between teacher-forced checks on held-out scenes (0: never)
     eval_scenes: int = 300  # held-out scenes for the final greedy-decoding accuracy
 
@@ -207,30 +227,88 @@ def vision_sizes(cfg: TrainConfig) -> dict[str, int]:
     )
 
 
+# RoPE bases of the gemma3 family: Gemma 3's own (Gemma3TextConfig's defaults, what vLLM and every
+# Gemma 3 checkpoint use), 10,000 in the sliding layers and 1,000,000 in the full ones. At the
+# course's lengths (at most 1024 positions) either base would do; two different ones make the two
+# layer types differ in one more way, so a decoder that gave every layer one RoPE table fails its
+# parity check against this model.
+GEMMA3_ROPE_THETA = {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}
+
+
+def gemma3_layer_types(cfg: TrainConfig) -> list[str]:
+    """``layer_types`` of the gemma3 family: every ``cfg.sliding_window_pattern``-th layer full."""
+    return [
+        "full_attention" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding_attention"
+        for i in range(cfg.text_layers)
+    ]
+
+
 def text_config(
-    tokenizer: PreTrainedTokenizerFast, cfg: TrainConfig, max_position_embeddings: int = 512
-) -> LlamaConfig:
-    """The Llama text model sized by ``cfg``, over ``tokenizer``'s vocabulary; it stops at
-    ``<|im_end|>``."""
-    return LlamaConfig(
+    tokenizer: PreTrainedTokenizerFast,
+    cfg: TrainConfig,
+    max_position_embeddings: int | None = None,
+) -> LlamaConfig | Gemma3TextConfig:
+    """The text model of ``cfg.text_family`` sized by ``cfg``, over ``tokenizer``'s vocabulary;
+    it stops at ``<|im_end|>``. ``max_position_embeddings`` defaults to 512 for Llama (the
+    shipped model's) and 1024 for Gemma 3 (room for the course's multi-turn chats).
+
+    Raises:
+        ValueError: an unknown family, or a Gemma 3 layer pattern without a full layer.
+    """
+    sizes = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.text_hidden,
         intermediate_size=cfg.text_mlp,
         num_hidden_layers=cfg.text_layers,
         num_attention_heads=cfg.text_heads,
         num_key_value_heads=cfg.text_kv_heads,
-        max_position_embeddings=max_position_embeddings,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
+    if cfg.text_family == "llama":
+        return LlamaConfig(**sizes, max_position_embeddings=max_position_embeddings or 512)
+    if cfg.text_family != "gemma3":
+        raise ValueError(
+            f"unknown text family {cfg.text_family!r}; expected one of {TEXT_FAMILIES}"
+        )
+    layer_types = gemma3_layer_types(cfg)
+    if "full_attention" not in layer_types:
+        raise ValueError(
+            f"{cfg.text_layers} layers with a full layer every {cfg.sliding_window_pattern} "
+            "have no full-attention layer: pass --text-layers >= --sliding-window-pattern"
+        )
+    head_dim = cfg.text_hidden // cfg.text_heads
+    return Gemma3TextConfig(
+        **sizes,
+        max_position_embeddings=max_position_embeddings or 1024,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,  # scores scaled by 1/sqrt(head_dim), as in the Llama
+        sliding_window=cfg.sliding_window,
+        layer_types=layer_types,
+        rope_parameters={
+            kind: {"rope_type": "default", "rope_theta": theta}
+            for kind, theta in GEMMA3_ROPE_THETA.items()
+        },
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+    )
+
+
+def sliding_window_of(config) -> int | None:
+    """The window of a model's sliding-window layers (``config``: the model's or its text
+    model's); None when every layer attends to the whole sequence."""
+    text = config.get_text_config()
+    if "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
+        return None
+    return text.sliding_window
 
 
 def build_model(
     tokenizer: PreTrainedTokenizerFast, cfg: TrainConfig
 ) -> LlavaForConditionalGeneration:
-    """A randomly initialised LLaVA (CLIP vision + Llama text) sized by ``cfg``.
+    """A randomly initialised LLaVA (CLIP vision + ``cfg.text_family`` text) sized by ``cfg``.
 
     Seed torch first (``torch.manual_seed``) for reproducible weights."""
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
@@ -337,10 +415,19 @@ class PackedBatcher:
 
     Prompt ids come from the processor itself (chat template, ``<image>`` expansion,
     tokenizer), cached per prompt text. Only the answer tokens and ``<|im_end|>`` get a target.
+
+    With ``sliding_window`` (a Gemma 3 text model: :func:`sliding_window_of`) the mask is a dict,
+    ``{"full_attention": m, "sliding_attention": m & window}``, which the Gemma 3 text model
+    takes as its per-layer-type masks. A 4-D tensor would be used as it is by every layer
+    (transformers builds the sliding mask only from a 2-D one), training the sliding layers
+    without their window. The window is measured in position ids, which count within the
+    unpacked prompt: query q sees key k when ``pos[q] - pos[k] < sliding_window``, exactly what
+    ``generate`` and vLLM give the one-question prompt.
     """
 
-    def __init__(self, processor: ProcessorMixin) -> None:
+    def __init__(self, processor: ProcessorMixin, sliding_window: int | None = None) -> None:
         self.processor = processor
+        self.sliding_window = sliding_window
         self.pad_id = processor.tokenizer.pad_token_id
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
         self.prompt_ids: dict[str, list[int]] = {}
@@ -399,11 +486,18 @@ class PackedBatcher:
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         same = segment[:, :, None] == segment[:, None, :]
         mask = causal & (same | (segment[:, None, :] == 0))
+        attention_mask: torch.Tensor | dict[str, torch.Tensor] = mask[:, None]
+        if self.sliding_window is not None:
+            near = position_ids[:, :, None] - position_ids[:, None, :] < self.sliding_window
+            attention_mask = {
+                "full_attention": mask[:, None],
+                "sliding_attention": (mask & near)[:, None],
+            }
         pixels = self.processor.image_processor([e.image for e in examples], return_tensors="pt")
         return {
             "input_ids": input_ids,
             "pixel_values": pixels["pixel_values"],
-            "attention_mask": mask[:, None],
+            "attention_mask": attention_mask,
             "position_ids": position_ids,
             "targets": targets,
             "answer_lengths": torch.tensor(answer_lengths),
@@ -597,7 +691,7 @@ def train(cfg: TrainConfig, command: str = "") -> dict[str, float]:
     processor = build_processor(tokenizer, cfg.image_size, cfg.patch_size)
     model = build_model(tokenizer, cfg)
     model.train()
-    batcher = PackedBatcher(processor)
+    batcher = PackedBatcher(processor, sliding_window_of(model.config))
     rng = random.Random(cfg.seed)
     held_out = make_examples(
         random.Random(EVAL_SEED + 1), 64, cfg.image_size, system_prob=cfg.system_prob
@@ -731,6 +825,32 @@ def _software() -> str:
     )
 
 
+_FAMILY_NAMES = {"llama": "Llama", "gemma3": "Gemma 3"}
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _layer_runs(layer_types: Sequence[str]) -> str:
+    """``layer_types`` in words: ``"layers 0-4 sliding, layer 5 full"``."""
+    runs: list[list] = []  # [type, first, last]
+    for i, kind in enumerate(layer_types):
+        if runs and runs[-1][0] == kind:
+            runs[-1][2] = i
+        else:
+            runs.append([kind, i, i])
+    return ", ".join(
+        (f"layers {a}-{b}" if a < b else f"layer {a}") + " " + kind.split("_")[0]
+        for kind, a, b in runs
+    )
+
+
+def _card_path(out: Path) -> str:
+    """``out`` as the card's example loads it: relative to the repository root if inside it."""
+    try:
+        return out.resolve().relative_to(_REPO_ROOT).as_posix()
+    except ValueError:
+        return out.as_posix()
+
+
 def model_card(cfg: TrainConfig, model: LlavaForConditionalGeneration, run: TrainRun) -> ModelCard:
     """The Hugging Face model card of a model trained with ``cfg`` and saved in ``cfg.out``:
     :data:`MODEL_CARD_TEMPLATE` (Jinja, rendered by ``ModelCard.from_template``) filled with
@@ -739,20 +859,36 @@ def model_card(cfg: TrainConfig, model: LlavaForConditionalGeneration, run: Trai
     def count(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters())
 
-    data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag="image-text-to-text",
-        tags=["llava", "tiny", "synthetic", "minirad"],
-    )
+    text = model.config.get_text_config()
+    gemma3 = cfg.text_family == "gemma3"
+    family = _FAMILY_NAMES[cfg.text_family]
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    tags = ["llava", "tiny", "synthetic", "minirad"]
+    if gemma3:
+        tags[1:1] = ["gemma3", "sliding-window"]
+    data = ModelCardData(library_name="transformers", pipeline_tag="image-text-to-text", tags=tags)
     return ModelCard.from_template(
         data,
         template_path=MODEL_CARD_TEMPLATE,
         cfg=cfg,
         run=run,
+        name=cfg.out.name,
+        path=_card_path(cfg.out),
+        gemma3=gemma3,
+        pattern=(
+            f"{layer_types.count('sliding_attention')} sliding : "
+            f"{layer_types.count('full_attention')} full"
+        ),
+        layer_types=layer_types,
+        layer_runs=_layer_runs(layer_types),
+        rope_theta={k: v["rope_theta"] for k, v in text.rope_parameters.items()} if gemma3 else {},
+        max_positions=text.max_position_embeddings,
         parameters={
             "vision tower (CLIP ViT)": count(model.model.vision_tower),
             "projector (MLP)": count(model.model.multi_modal_projector),
-            "text model (Llama; embeddings tied to the LM head)": count(model.model.language_model),
+            f"text model ({family}; embeddings tied to the LM head)": count(
+                model.model.language_model
+            ),
         },
         total=count(model),
         size=(cfg.out / "model.safetensors").stat().st_size,
@@ -769,7 +905,10 @@ def _parse(argv: Sequence[str] | None) -> TrainConfig:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, value in vars(defaults).items():
         kind = Path if isinstance(value, Path) else type(value)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
+        choices = TEXT_FAMILIES if name == "text_family" else None
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=value, choices=choices
+        )
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 
