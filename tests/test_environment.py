@@ -133,7 +133,11 @@ def distributions_for(module: str) -> set[str]:
 DEV_TOOLS = {"viz/bench.py"}
 # Run by the real vLLM's and SGLang's own venvs (`make vllm`, `make sglang`), never imported
 # here: vllm and sglang are their dependencies.
-VLLM_VENV_SCRIPTS = {"minirad/bench/vllm_worker.py", "minirad/bench/sglang_worker.py"}
+VLLM_VENV_SCRIPTS = {
+    "minirad/bench/vllm_worker.py",
+    "minirad/bench/sglang_worker.py",
+    "minirad/bench/sglang_swa_worker.py",
+}
 
 
 def test_every_third_party_import_is_declared():

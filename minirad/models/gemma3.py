@@ -79,12 +79,14 @@ def gemma_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return (normed * (1.0 + norm.weight.float())).to(x.dtype)
 
 
-def _layer(layer: nn.Module) -> LayerPlan:
-    """One ``Gemma3DecoderLayer``'s plan: its four norms, q/k norms, window and RoPE table."""
+def layer_plan(layer: nn.Module, rms_norm=None, **extra) -> LayerPlan:
+    """One Gemma decoder layer's plan: its four norms, q/k norms, window and RoPE table, with
+    ``rms_norm`` (Gemma 3's ``(1 + w)`` norm by default; Gemma 4 passes its own) and
+    ``extra`` fields (Gemma 4: ``v_norm``, ``layer_scalar``)."""
     attn = layer.self_attn
 
     def norm(module: nn.Module) -> partial:
-        return partial(gemma_rms_norm, norm=module)
+        return partial(rms_norm or gemma_rms_norm, norm=module)
 
     return LayerPlan(
         input_norm=norm(layer.input_layernorm),
@@ -98,6 +100,7 @@ def _layer(layer: nn.Module) -> LayerPlan:
         k_norm=norm(attn.k_norm),
         post_attn_norm=norm(layer.post_attention_layernorm),
         post_mlp_norm=norm(layer.post_feedforward_layernorm),
+        **extra,
     )
 
 
@@ -109,7 +112,7 @@ def plan(text_model: nn.Module) -> DecoderPlan:
         for t in sorted(set(config.layer_types))
     }
     return DecoderPlan(
-        layers=[_layer(layer) for layer in text_model.layers],
+        layers=[layer_plan(layer) for layer in text_model.layers],
         ropes=ropes,
         final_norm=partial(gemma_rms_norm, norm=text_model.norm),
     )

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minirad.errors import UnsupportedModelError
-from minirad.models.gemma3 import LAYER_TYPES
+from minirad.models.gemma3 import LAYER_TYPES, layer_plan
 from minirad.models.layer_plan import DecoderPlan, LayerPlan, RopeTable
 
 __all__ = ["MODEL_TYPES", "check_config", "gemma4_rms_norm", "plan"]
@@ -83,27 +83,10 @@ def gemma4_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 
 def _layer(layer: nn.Module) -> LayerPlan:
-    """One ``Gemma4TextDecoderLayer``'s plan."""
-    attn = layer.self_attn
-
-    def norm(module: nn.Module) -> partial:
-        return partial(gemma4_rms_norm, norm=module)
-
-    return LayerPlan(
-        input_norm=norm(layer.input_layernorm),
-        pre_mlp_norm=norm(layer.pre_feedforward_layernorm),
-        act=layer.mlp.act_fn,
-        scale=attn.scaling,
-        head_dim=attn.head_dim,
-        rope=attn.layer_type,
-        sliding_window=attn.sliding_window,
-        q_norm=norm(attn.q_norm),
-        k_norm=norm(attn.k_norm),
-        v_norm=norm(attn.v_norm),
-        post_attn_norm=norm(layer.post_attention_layernorm),
-        post_mlp_norm=norm(layer.post_feedforward_layernorm),
-        layer_scalar=layer.layer_scalar,
-    )
+    """One ``Gemma4TextDecoderLayer``'s plan: Gemma 3's, with its own norm, a norm on the
+    values and a scalar on the layer's output."""
+    v_norm = partial(gemma4_rms_norm, norm=layer.self_attn.v_norm)
+    return layer_plan(layer, gemma4_rms_norm, v_norm=v_norm, layer_scalar=layer.layer_scalar)
 
 
 def plan(text_model: nn.Module) -> DecoderPlan:
