@@ -262,6 +262,20 @@ def gemma3_text_config(**overrides):
     return Gemma3TextConfig(**kw)
 
 
+def raise_gemma_norms_(layers, amount: float) -> None:
+    """Raise the q/k norms and the norms after attention and MLP of Gemma ``layers`` by
+    ``amount`` (see :func:`tiny_gemma3` for why a tiny Gemma needs it)."""
+    with torch.no_grad():
+        for layer in layers:
+            for norm in (
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
+                layer.post_attention_layernorm,
+                layer.post_feedforward_layernorm,
+            ):
+                norm.weight.add_(amount)
+
+
 def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """A ``Gemma3ForCausalLM`` of :func:`gemma3_text_config`, perturbed as the VLMs are (HF's
     RMSNorm weights start at 0 and scale by ``1 + w``, so the noise makes ``1 + w`` differ
@@ -273,15 +287,7 @@ def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
 
     torch.manual_seed(seed)
     model = _finish(Gemma3ForCausalLM(gemma3_text_config(**overrides)), seed)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm in (
-                layer.self_attn.q_norm,
-                layer.self_attn.k_norm,
-                layer.post_attention_layernorm,
-                layer.post_feedforward_layernorm,
-            ):
-                norm.weight.add_(2.0)
+    raise_gemma_norms_(model.model.layers, 2.0)
     return model.to(dtype)
 
 
@@ -360,15 +366,7 @@ def tiny_llava_gemma3(seed: int = 0, **text_overrides) -> PreTrainedModel:
     )
     torch.manual_seed(seed)
     model = _finish(LlavaForConditionalGeneration(cfg), seed)
-    with torch.no_grad():
-        for layer in model.model.language_model.layers:
-            for norm in (
-                layer.self_attn.q_norm,
-                layer.self_attn.k_norm,
-                layer.post_attention_layernorm,
-                layer.post_feedforward_layernorm,
-            ):
-                norm.weight.add_(1.0)
+    raise_gemma_norms_(model.model.language_model.layers, 1.0)
     return model
 
 
@@ -406,15 +404,7 @@ def tiny_gemma3_vlm(seed: int = 0, **text_overrides) -> PreTrainedModel:
     )
     torch.manual_seed(seed)
     model = _finish(Gemma3ForConditionalGeneration(cfg), seed)
-    with torch.no_grad():
-        for layer in model.model.language_model.layers:
-            for norm in (
-                layer.self_attn.q_norm,
-                layer.self_attn.k_norm,
-                layer.post_attention_layernorm,
-                layer.post_feedforward_layernorm,
-            ):
-                norm.weight.add_(1.0)
+    raise_gemma_norms_(model.model.language_model.layers, 1.0)
     return model
 
 
