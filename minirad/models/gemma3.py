@@ -104,15 +104,17 @@ def layer_plan(layer: nn.Module, rms_norm=None, **extra) -> LayerPlan:
     )
 
 
-def plan(text_model: nn.Module) -> DecoderPlan:
-    """The plan of a ``Gemma3TextModel`` (its config checked by :func:`check_config`)."""
+def plan(text_model: nn.Module, layer=layer_plan, rms_norm=gemma_rms_norm) -> DecoderPlan:
+    """The plan of a ``Gemma3TextModel`` (its config checked by :func:`check_config`): one
+    RoPE table per layer type, read from HF's rotary module. Gemma 4 passes its own ``layer``
+    plan and ``rms_norm``."""
     config, rotary = text_model.config, text_model.rotary_emb
     ropes = {
         t: RopeTable(getattr(rotary, f"{t}_inv_freq"), getattr(rotary, f"{t}_attention_scaling"))
         for t in sorted(set(config.layer_types))
     }
     return DecoderPlan(
-        layers=[layer_plan(layer) for layer in text_model.layers],
+        layers=[layer(m) for m in text_model.layers],
         ropes=ropes,
-        final_norm=partial(gemma_rms_norm, norm=text_model.norm),
+        final_norm=partial(rms_norm, norm=text_model.norm),
     )

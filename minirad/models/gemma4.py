@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minirad.errors import UnsupportedModelError
+from minirad.models import gemma3
 from minirad.models.gemma3 import LAYER_TYPES, layer_plan
-from minirad.models.layer_plan import DecoderPlan, LayerPlan, RopeTable
+from minirad.models.layer_plan import DecoderPlan, LayerPlan
 
 __all__ = ["MODEL_TYPES", "check_config", "gemma4_rms_norm", "plan"]
 
@@ -91,13 +92,4 @@ def _layer(layer: nn.Module) -> LayerPlan:
 
 def plan(text_model: nn.Module) -> DecoderPlan:
     """The plan of a ``Gemma4TextModel`` (its config checked by :func:`check_config`)."""
-    config, rotary = text_model.config, text_model.rotary_emb
-    ropes = {
-        t: RopeTable(getattr(rotary, f"{t}_inv_freq"), getattr(rotary, f"{t}_attention_scaling"))
-        for t in sorted(set(config.layer_types))
-    }
-    return DecoderPlan(
-        layers=[_layer(layer) for layer in text_model.layers],
-        ropes=ropes,
-        final_norm=partial(gemma4_rms_norm, norm=text_model.norm),
-    )
+    return gemma3.plan(text_model, _layer, gemma4_rms_norm)
